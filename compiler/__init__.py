@@ -1,0 +1,1 @@
+"""trtc compiler: Hugging Face checkpoint -> optimized ONNX graph with plugins -> artifact."""

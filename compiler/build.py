@@ -1,0 +1,140 @@
+"""`trtc build`: config -> load -> export -> passes -> write, one stage at a time."""
+from __future__ import annotations
+
+import platform
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import onnx
+import torch
+
+import trtc
+from trtc.compiler import artifact, contract
+from trtc.compiler.config import BuildConfig
+from trtc.compiler.errors import BuildError, ConfigError
+from trtc.compiler.export import export_onnx
+from trtc.compiler.model import from_hf
+from trtc.compiler.passes.pipeline import check_report, fusion_report, run_passes
+from trtc.compiler.progress import Progress
+from trtc.compiler.source import load_hf_config, load_model, max_seq_len
+from trtc.plugins import PLUGINS
+from trtc.plugins.spec import DOMAIN
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def check_buildable(cfg: BuildConfig) -> None:
+    """Reject what this version cannot build, before any heavy work."""
+    if cfg.quantization.method != "none":
+        raise ConfigError(f"quantization.method: {cfg.quantization.method!r} is not available in "
+                          f"trtc {trtc.__version__} yet (available: none)")
+    if cfg.backend.name != "none":
+        raise ConfigError(f"backend.name: engine builds ({cfg.backend.name!r}) are not available in "
+                          f"trtc {trtc.__version__} yet (available: none, which writes the ONNX artifact)")
+
+
+def kv_cache_record(cfg: BuildConfig, g) -> dict:
+    bytes_per_token = 2 * g.num_layers * g.num_kv_heads * g.head_dim * DTYPE_BYTES[cfg.kv_dtype]
+    return {"layout": "paged", "block_size": cfg.kv_cache.block_size, "dtype": cfg.kv_dtype,
+            "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+            "pool_shape": ["layers", 2, "num_blocks", cfg.kv_cache.block_size, g.num_kv_heads, g.head_dim],
+            "bytes_per_token": bytes_per_token,
+            "bytes_per_block": bytes_per_token * cfg.kv_cache.block_size}
+
+
+def graph_record(model: onnx.ModelProto) -> dict:
+    ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
+    weight_bytes = Counter()
+    for init in model.graph.initializer:
+        n = int(torch.tensor(init.dims).prod().item()) if init.dims else 1
+        size = n * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        name = init.name
+        kind = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
+                else "linear" if name.endswith(("proj.weight", "proj.bias")) else
+                "norm" if "norm" in name else "rope_tables" if "rope" in name else "constants")
+        weight_bytes[kind] += size
+    return {"file": artifact.MODEL_FILE, "weights_file": artifact.WEIGHTS_FILE,
+            "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+            "functions": [f"{f.domain}::{f.name}" for f in model.functions],
+            "num_nodes": len(model.graph.node), "op_counts": dict(sorted(ops.items())),
+            "weight_bytes": {"total": sum(weight_bytes.values()), **dict(sorted(weight_bytes.items()))}}
+
+
+def plugin_records(model: onnx.ModelProto) -> list[dict]:
+    records = []
+    for spec in PLUGINS.values():
+        nodes = [n.name for n in model.graph.node if n.domain == DOMAIN and n.op_type == spec.op_type]
+        if nodes:
+            records.append({**spec.to_manifest(), "num_nodes": len(nodes)})
+    return records
+
+
+def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
+          progress: Progress | None = None) -> Path:
+    progress = progress or Progress()
+    check_buildable(cfg)
+    out_dir = cfg.output_dir(output)
+    started = time.perf_counter()
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with artifact.staging_dir(out_dir, force) as staging:
+        progress.log(f"building {cfg.artifact_name} ({cfg.precision}) -> {out_dir}")
+        with progress.stage("check", "reading the model config") as done:
+            hf_config = load_hf_config(cfg)
+            done["detail"] = f"{type(hf_config).__name__.replace('Config', '')}"
+        with progress.stage("load", f"loading {cfg.model.source} model") as done:
+            loaded = load_model(cfg)
+            g = loaded.geometry
+            seq_len = max_seq_len(cfg, g)
+            model = from_hf(loaded.hf_model, g, seq_len, contract.TORCH_DTYPES[cfg.precision])
+            del loaded.hf_model
+            n_params = sum(p.numel() for p in model.parameters())
+            done["detail"] = (f"{g.architecture}, {g.num_layers} layers, {n_params / 1e6:.1f}M "
+                              f"parameters")
+        with progress.stage("export", "exporting to ONNX (torch dynamo)") as done:
+            proto = export_onnx(model, cfg.kv_dtype, cfg.kv_cache.block_size)
+            del model
+            done["detail"] = f"{len(proto.graph.node)} nodes"
+        proto, results = run_passes(proto, g, cfg.precision,
+                                    stage=lambda name: progress.stage(f"pass {name}", "running"))
+        report = fusion_report(results, g.num_layers)
+        problems = check_report(report, g.num_layers)
+        if problems:
+            raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
+        with progress.stage("write", "writing the artifact") as done:
+            artifact.save_onnx(proto, staging)
+            loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
+            manifest = {
+                "format": artifact.FORMAT, "format_version": artifact.FORMAT_VERSION,
+                "trtc_version": trtc.__version__, "name": cfg.artifact_name,
+                "created": created,
+                "source": loaded.source,
+                "model": g.to_manifest(),
+                "precision": cfg.precision,
+                "limits": {"max_num_tokens": cfg.limits.max_num_tokens,
+                           "max_num_seqs": cfg.limits.max_num_seqs, "max_seq_len": seq_len},
+                "kv_cache": kv_cache_record(cfg, g),
+                "quantization": {"method": cfg.quantization.method},
+                "io": contract.io_manifest(g.num_layers, g.num_kv_heads, g.head_dim,
+                                           cfg.kv_cache.block_size, cfg.kv_dtype, g.vocab_size),
+                "plugins": plugin_records(proto),
+                "fusions": report,
+                "graph": graph_record(proto),
+                "tokenizer": {"dir": "tokenizer",
+                              "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+                              "eos_token_id": loaded.tokenizer.eos_token_id,
+                              "bos_token_id": loaded.tokenizer.bos_token_id},
+                "build": {"config": cfg.model_dump(mode="json"),
+                          "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
+                                       "python": platform.python_version()}},
+                "files": artifact.file_records(staging),
+                "engines": [],
+            }
+            manifest["build"]["duration_s"] = round(time.perf_counter() - started, 1)
+            artifact.write_manifest(staging, manifest)
+            gb = manifest["graph"]["weight_bytes"]["total"] / 1e6
+            done["detail"] = f"{gb:.1f} MB of weights"
+        progress.log(f"built {out_dir} in {time.perf_counter() - started:.1f}s")
+        (staging / "build.log").write_text(progress.text())
+    return out_dir

@@ -1,0 +1,64 @@
+"""`trtc inspect`: what an artifact holds, read from its manifest (files checked against it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from trtc.compiler.artifact import read_manifest, verify_files
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def inspect_artifact(directory: str | Path, console: Console | None = None, verify: bool = True) -> dict:
+    console = console or Console()
+    m = read_manifest(directory)
+    if verify:
+        verify_files(directory, m)
+    g, kv, graph = m["model"], m["kv_cache"], m["graph"]
+
+    console.print(f"[bold]{m['name']}[/]  ({directory})  trtc {m['trtc_version']}, "
+                  f"format v{m['format_version']}, built {m['created']}")
+    overview = Table(show_header=False, box=None, pad_edge=False)
+    overview.add_row("model", f"{g['architecture']}: {g['num_layers']} layers, hidden {g['hidden_size']}, "
+                              f"{g['num_heads']} heads / {g['num_kv_heads']} KV heads x {g['head_dim']}, "
+                              f"vocab {g['vocab_size']}")
+    overview.add_row("source", f"{m['source']['kind']} {m['source']['path']} (sha256 {m['source']['sha256'][:12]})")
+    overview.add_row("precision", f"{m['precision']}; quantization {m['quantization']['method']}")
+    lim = m["limits"]
+    overview.add_row("limits", f"{lim['max_num_tokens']} tokens/step, {lim['max_num_seqs']} sequences, "
+                               f"context {lim['max_seq_len']}")
+    overview.add_row("KV cache", f"{kv['layout']}, block {kv['block_size']} tokens, {kv['dtype']}, pool "
+                                 f"{kv['pool_shape']}; {kv['bytes_per_token']:,} bytes/token, "
+                                 f"{kv['bytes_per_block']:,} bytes/block")
+    wb = graph["weight_bytes"]
+    overview.add_row("weights", f"{_mb(wb['total'])} (" + ", ".join(
+        f"{k} {_mb(v)}" for k, v in wb.items() if k != "total") + ")")
+    overview.add_row("graph", f"{graph['file']}: {graph['num_nodes']} nodes, opsets {graph['opset']}")
+    console.print(overview)
+
+    fusions = Table(title="fusions", title_justify="left")
+    fusions.add_column("kind")
+    fusions.add_column("total", justify="right")
+    fusions.add_column("per layer", justify="right")
+    fusions.add_column("final", justify="right")
+    report = m["fusions"]
+    for kind, total in report["totals"].items():
+        per = sorted({c.get(kind, 0) for c in report["per_layer"].values()})
+        fusions.add_row(kind, str(total), "/".join(map(str, per)), str(report["final"].get(kind, "")))
+    console.print(fusions)
+
+    plugins = Table(title="plugins", title_justify="left")
+    for col in ("op", "version", "nodes", "in-place outputs"):
+        plugins.add_column(col)
+    for p in m["plugins"]:
+        plugins.add_row(f"{p['domain']}::{p['op_type']}", str(p["version"]), str(p["num_nodes"]),
+                        ", ".join(f"{o}->{i}" for o, i in p["aliases"].items()))
+    console.print(plugins)
+
+    engines = m.get("engines", [])
+    console.print(f"engines: {len(engines)}" + ("" if engines else " (ONNX artifact only)"))
+    return m

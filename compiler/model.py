@@ -1,0 +1,152 @@
+"""The decoder as trtc compiles it: Llama, Mistral and Qwen2 in the step contract.
+
+One forward call runs one step of a flattened in-flight batch (see `contract.py`). The code is
+written for clarity of the exported graph: RMSNorm, rotary embedding and SwiGLU are spelled in
+primitive ops that the ONNX passes then recognise and fuse; attention is the `trtc::PagedAttention`
+plugin from the start, because its paged, ragged semantics have no faithful primitive spelling.
+Parameter names mirror transformers', so a Hugging Face state dict loads as it is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtc.compiler.architectures import ModelGeometry
+from trtc.plugins.paged_attention import paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In fp32 whatever the model dtype, as transformers does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Non-interleaved RoPE on ``x[T, heads*head_dim]``; ``cos/sin[T, head_dim/2]``."""
+    tokens = x.shape[0]
+    x = x.view(tokens, -1, head_dim)
+    half = head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.view(tokens, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, g: ModelGeometry, sliding_window: int):
+        super().__init__()
+        self.g, self.sliding_window = g, sliding_window
+        self.q_proj = nn.Linear(g.hidden_size, g.num_heads * g.head_dim, bias=g.qkv_bias)
+        self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
+        self.v_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
+        self.o_proj = nn.Linear(g.num_heads * g.head_dim, g.hidden_size, bias=g.o_bias)
+
+    def forward(self, x, cos, sin, kv_cache, step):
+        g = self.g
+        q = apply_rotary(self.q_proj(x), cos, sin, g.head_dim)
+        k = apply_rotary(self.k_proj(x), cos, sin, g.head_dim)
+        v = self.v_proj(x)
+        out, kv_cache = paged_attention(
+            q, k, v, kv_cache, step["slot_mapping"], step["block_tables"],
+            step["context_lens"], step["query_start_loc"], num_heads=g.num_heads,
+            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, scale=g.head_dim ** -0.5,
+            sliding_window=self.sliding_window)
+        return self.o_proj(out), kv_cache
+
+
+class MLP(nn.Module):
+    def __init__(self, g: ModelGeometry):
+        super().__init__()
+        self.gate_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=g.mlp_bias)
+        self.up_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=g.mlp_bias)
+        self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=g.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, g: ModelGeometry, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.self_attn = Attention(g, g.sliding_windows[layer])
+        self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.mlp = MLP(g)
+
+    def forward(self, x, cos, sin, kv_cache, step):
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, step)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_cache
+
+
+class Backbone(nn.Module):
+    def __init__(self, g: ModelGeometry):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(g.vocab_size, g.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(g, i) for i in range(g.num_layers))
+        self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+
+
+class StepModel(nn.Module):
+    """``forward(input_ids, positions, slot_mapping, block_tables, context_lens,
+    query_start_loc, logits_indices, *kv_caches) -> (logits[S, vocab] fp32, *kv_caches)``."""
+
+    def __init__(self, g: ModelGeometry, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        super().__init__()
+        self.geometry = g
+        self.model = Backbone(g)
+        if not g.tie_word_embeddings:
+            self.lm_head = nn.Linear(g.hidden_size, g.vocab_size, bias=False)
+        # [max_seq_len, head_dim/2], in the model dtype (transformers casts them likewise).
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens,
+                query_start_loc, logits_indices, *kv_caches):
+        step = {"slot_mapping": slot_mapping, "block_tables": block_tables,
+                "context_lens": context_lens, "query_start_loc": query_start_loc}
+        cos, sin = F.embedding(positions, self.rope_cos), F.embedding(positions, self.rope_sin)
+        x = self.model.embed_tokens(input_ids)
+        new_caches = []
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, kv_cache = layer(x, cos, sin, kv_cache, step)
+            new_caches.append(kv_cache)
+        # Only the rows that produce a next token go through the norm and the LM head.
+        x = self.model.norm(torch.index_select(x, 0, logits_indices))
+        head = self.model.embed_tokens.weight if self.geometry.tie_word_embeddings else self.lm_head.weight
+        logits = F.linear(x, head).float()
+        return (logits, *new_caches)
+
+
+def rope_tables(hf_model, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_seq_len, head_dim/2]`` from the model's own rotary module, so every
+    rope-scaling variant transformers implements (linear, dynamic, yarn, llama3, ...) is honoured."""
+    rotary = hf_model.model.rotary_emb
+    positions = torch.arange(max_seq_len)[None]
+    probe = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions)
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].to(dtype).contiguous(), sin[0, :, :half].to(dtype).contiguous()
+
+
+def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype) -> StepModel:
+    cos, sin = rope_tables(hf_model, max_seq_len, dtype)
+    model = StepModel(g, cos, sin)
+    state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
+    if g.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not match the {g.architecture} layout: "
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(dtype).eval()

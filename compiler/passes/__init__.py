@@ -1,0 +1,1 @@
+"""ONNX graph passes (onnx-graphsurgeon), each reporting what it matched."""

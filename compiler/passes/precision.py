@@ -1,0 +1,32 @@
+"""Precision check: the graph is strongly typed (as TensorRT 11 and TensorRT-RTX require), so
+every floating-point weight must already be in the build precision; the only fp32 math is what
+is meant to be fp32 (RMSNorm statistics via stash_type, attention softmax inside the plugin,
+the logits)."""
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+from trtc.compiler.errors import BuildError
+from trtc.compiler.passes.base import PassResult
+
+NUMPY_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _is_float(dtype) -> bool:
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def check_precision(graph: gs.Graph, precision: str) -> PassResult:
+    result = PassResult("precision")
+    want = NUMPY_NAMES[precision]
+    wrong = []
+    for t in graph.tensors().values():
+        if not isinstance(t, gs.Constant) or not _is_float(t.values.dtype) or t.values.size <= 1:
+            continue    # scalars (eps, exponents) are typed by the ops that read them
+        if t.values.dtype.name != want:
+            wrong.append(f"{t.name} ({t.values.dtype.name})")
+        result.matched += 1
+    if wrong:
+        raise BuildError(f"{len(wrong)} weight(s) are not {precision}: {', '.join(wrong[:3])}")
+    result.notes.append(f"{result.matched} weight tensors, all {precision}")
+    return result

@@ -1,0 +1,55 @@
+"""Stage-by-stage progress: a live spinner and a line per finished stage on a terminal, plain
+timestamped lines otherwise (CI logs, pipes). Every line also goes to the artifact's build.log."""
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+
+from rich.console import Console
+
+
+class Progress:
+    def __init__(self, interactive: bool | None = None, quiet: bool = False):
+        self.console = Console(stderr=True, highlight=False)
+        self.interactive = self.console.is_terminal if interactive is None else interactive
+        self.quiet = quiet
+        self.lines: list[str] = []
+        self._status = None
+
+    def log(self, message: str) -> None:
+        stamp = datetime.now(timezone.utc).strftime("%H:%M:%S")
+        self.lines.append(f"{stamp} {message}")
+        if self.quiet:
+            return
+        if self.interactive:
+            self.console.print(message, markup=False)
+        else:
+            print(f"[trtc {stamp}] {message}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def stage(self, name: str, description: str):
+        """Run one stage; the body may set ``done["detail"]`` to say what it did."""
+        done = {"detail": ""}
+        start = time.perf_counter()
+        if not self.interactive:
+            self.log(f"{name}: {description} ...")
+        status = self.console.status(f"[bold]{name}[/]: {description}") if self.interactive and not self.quiet else None
+        if status:
+            status.start()
+        try:
+            yield done
+        except BaseException:
+            if status:
+                status.stop()
+            self.log(f"{name}: failed after {time.perf_counter() - start:.1f}s")
+            raise
+        if status:
+            status.stop()
+        detail = f" — {done['detail']}" if done["detail"] else ""
+        mark = "✓ " if self.interactive else ""
+        self.log(f"{mark}{name}: done in {time.perf_counter() - start:.1f}s{detail}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"

@@ -1,0 +1,97 @@
+"""Stage 1, load: a checkpoint (HF directory, GGUF file or tiny random model) becomes a
+transformers model, its tokenizer, its geometry and a hash that identifies the source."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtc.compiler.architectures import ModelGeometry, check_supported, geometry_from_config
+from trtc.compiler.config import BuildConfig, resolve_path
+from trtc.compiler.errors import BuildError, ConfigError
+from trtc.compiler.tiny import byte_tokenizer, tiny_config, tiny_model
+
+
+@dataclass
+class LoadedModel:
+    hf_model: torch.nn.Module
+    tokenizer: object
+    geometry: ModelGeometry
+    source: dict            # manifest record: kind, path, sha256
+
+
+def _sha256_files(paths: list[Path], root: Path | None = None) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        if root is not None:
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _hf_kwargs(cfg: BuildConfig) -> tuple[str, dict]:
+    path = resolve_path(cfg.model.path)
+    if cfg.model.source == "gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return str(path), {}
+
+
+def load_hf_config(cfg: BuildConfig):
+    """The model's transformers config, checked for a supported architecture before any weights load."""
+    from transformers import AutoConfig
+    if cfg.model.source == "tiny":
+        config = tiny_config(cfg.model.name)
+    else:
+        where, kwargs = _hf_kwargs(cfg)
+        try:
+            config = AutoConfig.from_pretrained(where, **kwargs)
+        except (ValueError, KeyError, OSError) as e:
+            raise BuildError(f"cannot read the model config from {cfg.model.path}: {e}") from None
+    check_supported(config)
+    return config
+
+
+def max_seq_len(cfg: BuildConfig, g: ModelGeometry) -> int:
+    """The context length the artifact supports: the config's, or the model's own."""
+    if cfg.limits.max_seq_len is None:
+        return g.max_position_embeddings
+    if cfg.limits.max_seq_len > g.max_position_embeddings:
+        raise ConfigError(f"limits.max_seq_len: {cfg.limits.max_seq_len} exceeds the model's "
+                          f"max_position_embeddings {g.max_position_embeddings}")
+    return cfg.limits.max_seq_len
+
+
+def load_model(cfg: BuildConfig) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()     # the build shows its own per-stage progress
+    os.environ.setdefault("TQDM_DISABLE", "1")   # GGUF dequantization has a bar of its own
+    config = load_hf_config(cfg)
+    geometry = geometry_from_config(config)
+    max_seq_len(cfg, geometry)
+    if cfg.model.lora is not None:
+        raise ConfigError("model.lora: LoRA merging is not available in this trtc version; remove the key")
+    if cfg.model.source == "tiny":
+        model = tiny_model(cfg.model.name, cfg.model.seed)
+        tokenizer = byte_tokenizer()
+        recipe = json.dumps({"name": cfg.model.name, "seed": cfg.model.seed,
+                             "config": config.to_diff_dict()}, sort_keys=True, default=str)
+        source = {"kind": "tiny", "path": cfg.model.name, "seed": cfg.model.seed,
+                  "sha256": hashlib.sha256(recipe.encode()).hexdigest()}
+    else:
+        where, kwargs = _hf_kwargs(cfg)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        path = resolve_path(cfg.model.path)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        source = {"kind": cfg.model.source, "path": str(path.resolve()),
+                  "sha256": _sha256_files(files, None if path.is_file() else path)}
+    if getattr(tokenizer, "chat_template", None) is None:
+        source["chat_template"] = False
+    return LoadedModel(model, tokenizer, geometry, source)

@@ -1,0 +1,78 @@
+"""Tiny random-initialised models for tests: real transformers architectures at toy sizes,
+with a byte-level tokenizer built in code, so nothing is downloaded."""
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|eos|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+_COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=256 + len(SPECIAL_TOKENS), max_position_embeddings=512,
+               bos_token_id=256, eos_token_id=257, rms_norm_eps=1e-5)
+
+TINY_MODELS = {
+    # GQA 4:2, untied head, llama3 rope scaling.
+    "tiny-llama": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # Sliding-window attention shorter than the test prompts, tied embeddings, MQA.
+    "tiny-mistral": lambda: MistralConfig(**{**_COMMON, "num_key_value_heads": 1}, sliding_window=24,
+                                          tie_word_embeddings=True),
+    # Q/K/V bias, linear rope scaling, MHA.
+    "tiny-qwen2": lambda: Qwen2Config(**{**_COMMON, "num_key_value_heads": 4}, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                       "factor": 2.0}),
+}
+
+
+def tiny_config(name: str):
+    config = TINY_MODELS[name]()
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+def tiny_model(name: str, seed: int):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
+    # Random init gives near-uniform logits; larger weights make argmax checks meaningful.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (ids 0-255) plus the special tokens."""
+    byte_chars = _byte_chars()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-unicode table (the ByteLevel pre-tokenizer's alphabet, in byte order)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]

