@@ -2,9 +2,8 @@
 with a byte-level tokenizer built in code, so nothing is downloaded."""
 from __future__ import annotations
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+# transformers and torch are imported inside the functions: config validation (which needs
+# only the names) stays fast.
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -14,28 +13,32 @@ _COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_a
                num_key_value_heads=2, vocab_size=256 + len(SPECIAL_TOKENS), max_position_embeddings=512,
                bos_token_id=256, eos_token_id=257, rms_norm_eps=1e-5)
 
+# name -> (transformers config class, its arguments)
 TINY_MODELS = {
     # GQA 4:2, untied head, llama3 rope scaling.
-    "tiny-llama": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters={
+    "tiny-llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=False, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     # Sliding-window attention shorter than the test prompts, tied embeddings, MQA.
-    "tiny-mistral": lambda: MistralConfig(**{**_COMMON, "num_key_value_heads": 1}, sliding_window=24,
-                                          tie_word_embeddings=True),
+    "tiny-mistral": ("MistralConfig", dict(_COMMON, num_key_value_heads=1, sliding_window=24,
+                                           tie_word_embeddings=True)),
     # Q/K/V bias, linear rope scaling, MHA.
-    "tiny-qwen2": lambda: Qwen2Config(**{**_COMMON, "num_key_value_heads": 4}, tie_word_embeddings=False,
-                                      rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
-                                                       "factor": 2.0}),
+    "tiny-qwen2": ("Qwen2Config", dict(_COMMON, num_key_value_heads=4, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                        "factor": 2.0})),
 }
 
 
 def tiny_config(name: str):
-    config = TINY_MODELS[name]()
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    import transformers
+    class_name, kwargs = TINY_MODELS[name]
+    config = getattr(transformers, class_name)(**kwargs)
+    config.architectures = [class_name.replace("Config", "ForCausalLM")]
     return config
 
 
 def tiny_model(name: str, seed: int):
+    import torch
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
@@ -49,8 +52,10 @@ def tiny_model(name: str, seed: int):
     return model.eval()
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
+def byte_tokenizer():
     """One token per byte (ids 0-255) plus the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     byte_chars = _byte_chars()
     vocab = {byte_chars[b]: b for b in range(256)}
     for i, tok in enumerate(SPECIAL_TOKENS):

@@ -36,14 +36,14 @@ def build(
 
     The artifact (manifest.json, model.onnx + model.onnx.data, tokenizer/, build.log) appears
     at the output path only when the whole build succeeded."""
-    from trtc.compiler.build import build as run_build
     from trtc.compiler.config import load_config
     from trtc.compiler.errors import TrtcError
-    from trtc.compiler.progress import Progress
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        cfg = load_config(config)
+        cfg = load_config(config)          # fast: a bad config fails before torch is imported
+        from trtc.compiler.build import build as run_build
+        from trtc.compiler.progress import Progress
         out = run_build(cfg, output=output, force=force, progress=Progress(quiet=quiet))
     except TrtcError as e:
         _fail(e)

@@ -1,0 +1,70 @@
+"""The artifact on disk: reproducible, atomic, versioned."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import build_quiet
+from trtc.compiler import artifact as artifact_mod
+from trtc.compiler.artifact import read_manifest, verify_files
+from trtc.compiler.config import parse_config
+from trtc.compiler.errors import ArtifactError
+
+VOLATILE = ("created",)
+
+
+def test_same_config_builds_identical_artifact(tmp_path):
+    cfg = parse_config({"model": {"source": "tiny", "name": "tiny-mistral"}, "precision": "fp16"})
+    a = build_quiet(cfg, tmp_path / "a")
+    b = build_quiet(cfg, tmp_path / "b")
+    assert (a / "model.onnx").read_bytes() == (b / "model.onnx").read_bytes()
+    assert (a / "model.onnx.data").read_bytes() == (b / "model.onnx.data").read_bytes()
+    ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+    for m in (ma, mb):
+        for key in VOLATILE:
+            m.pop(key)
+        m["build"].pop("duration_s")
+    assert ma == mb
+
+
+def test_manifest_records_what_the_issue_asks(tiny_artifacts):
+    m = read_manifest(tiny_artifacts["tiny-llama"])
+    assert m["format"] == "trtc-artifact" and m["format_version"] == 1
+    for key in ("model", "precision", "kv_cache", "io", "plugins", "fusions", "source", "trtc_version",
+                "engines", "files", "tokenizer"):
+        assert key in m
+    assert m["engines"] == []
+    assert len(m["source"]["sha256"]) == 64
+    assert m["tokenizer"]["chat_template"] is True
+    assert set(m["files"]) >= {"model.onnx", "model.onnx.data", "tokenizer/tokenizer.json"}
+    verify_files(tiny_artifacts["tiny-llama"], m)
+
+
+def test_failure_mid_build_leaves_nothing(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(artifact_mod, "save_onnx", broken)
+    cfg = parse_config({"model": {"source": "tiny", "name": "tiny-llama"}})
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_quiet(cfg, tmp_path / "nested" / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_new_or_foreign_manifest_is_refused(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "trtc-artifact", "format_version": 99}))
+    with pytest.raises(ArtifactError, match="newer than this trtc reads"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ArtifactError, match="not a trtc manifest"):
+        read_manifest(tmp_path)
+
+
+def test_truncated_file_is_detected(tiny_artifacts, tmp_path):
+    import shutil
+    art = tmp_path / "copy"
+    shutil.copytree(tiny_artifacts["tiny-llama"], art)
+    data = art / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:-10])
+    with pytest.raises(ArtifactError, match="truncated"):
+        verify_files(art, read_manifest(art))
