@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +66,20 @@ def max_seq_len(cfg: BuildConfig, g: ModelGeometry) -> int:
     return cfg.limits.max_seq_len
 
 
+def _quiet_gguf_progress() -> None:
+    """transformers' GGUF loader draws its own tqdm bar; the build already shows the stage."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    if not isinstance(gguf_utils.tqdm, partial):
+        gguf_utils.tqdm = partial(gguf_utils.tqdm, disable=True)
+
+
 def load_model(cfg: BuildConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()     # the build shows its own per-stage progress
-    os.environ.setdefault("TQDM_DISABLE", "1")   # GGUF dequantization has a bar of its own
+    _quiet_gguf_progress()
     config = load_hf_config(cfg)
     geometry = geometry_from_config(config)
     max_seq_len(cfg, geometry)

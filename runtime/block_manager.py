@@ -87,7 +87,8 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] | tuple[int, ...] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int,
+                 cached_blocks: list[int] | tuple[int, ...] = ()) -> bool:
         """Give a sequence that holds no blocks room for its first ``num_tokens`` tokens, sharing
         ``cached_blocks`` (from ``cached_prefix_blocks``, just before) and taking fresh blocks for
         the rest. Its computed tokens then start after the shared prefix. False, and nothing

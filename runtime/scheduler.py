@@ -124,9 +124,10 @@ class Scheduler:
                 continue
             break   # seq preempted itself: it was the last running one
 
-        # 2. Waiting sequences, in order; not in a step that had to preempt (they would only take
-        # back the blocks just freed, and the preempted sequences are first in line anyway).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        # 2. Waiting sequences, in order; not in a step that had to preempt (the pool is short, and
+        # the preempted sequences, first in line, would only take back the blocks just freed).
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not batch.preempted):
             seq = self.waiting[0]
             cached = self.block_manager.cached_prefix_blocks(seq)
             num_cached = len(cached) * self.block_manager.block_size

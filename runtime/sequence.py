@@ -74,7 +74,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_prefix_tokens = 0   # of the computed tokens, those found in the prefix cache at admission
+        self.num_cached_prefix_tokens = 0   # computed tokens found in the prefix cache at admission
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chain hashes of its full blocks, filled by the block manager
         self.params = params if params is not None else SamplingParams()

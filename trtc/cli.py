@@ -12,7 +12,8 @@ from rich.console import Console
 app = typer.Typer(
     name="trtc", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     help="Compile Hugging Face decoder LLMs (Llama, Mistral, Qwen2) into optimized, "
-         "plugin-bearing ONNX/TensorRT artifacts, and inspect them.")
+         "plugin-bearing ONNX/TensorRT artifacts, inspect them, and serve them with in-flight "
+         "batching over a paged KV cache.")
 err = Console(stderr=True, highlight=False)
 
 
@@ -77,6 +78,173 @@ def inspect(
             inspect_artifact(artifact, Console(), verify=not no_verify)
     except TrtcError as e:
         _fail(e)
+
+
+def _engine_config(executor, num_blocks, kv_cache_memory_mib, max_num_seqs, max_num_batched_tokens,
+                   no_prefix_caching):
+    from trtc.runtime.engine import EngineConfig
+    return EngineConfig(executor=executor, num_blocks=num_blocks,
+                        kv_cache_memory=int(kv_cache_memory_mib * 2**20), max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        enable_prefix_caching=not no_prefix_caching)
+
+
+EXECUTOR_HELP = "auto (the best this host can run) or torch (the compiled graph on CPU)"
+
+
+@app.command()
+def serve(
+    artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"),
+    port: int = typer.Option(8000, help="TCP port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on /v1 endpoints"),
+    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+    num_blocks: Optional[int] = typer.Option(None, help="KV-cache blocks in the pool (default: from --kv-cache-memory)"),
+    kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
+    max_num_seqs: Optional[int] = typer.Option(None, help="sequences per step (default: the artifact's limit)"),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="tokens per step (default: the artifact's limit)"),
+    max_pending: int = typer.Option(256, help="requests in flight before new ones get 429"),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not reuse KV blocks of shared prompt prefixes"),
+):
+    """Serve an artifact over an OpenAI-compatible HTTP API: /v1/completions,
+    /v1/chat/completions (SSE streaming with "stream": true), /v1/models, /health, /metrics.
+    SIGTERM or Ctrl-C stops accepting connections and lets running requests finish."""
+    import logging
+
+    from trtc.compiler.errors import TrtcError
+    from trtc.runtime.engine import LLMEngine
+    from trtc.runtime.server import serve as run_server
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(artifact, _engine_config(executor, num_blocks, kv_cache_memory, max_num_seqs,
+                                                    max_num_batched_tokens, no_prefix_caching))
+    except TrtcError as e:
+        _fail(e)
+    run_server(engine, host, port, api_key, max_pending)
+
+
+@app.command()
+def generate(
+    artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
+    prompt: str = typer.Argument(..., help="the prompt"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling mass"),
+    top_k: int = typer.Option(0, help="0 = off"),
+    seed: Optional[int] = typer.Option(None, help="seed for reproducible sampling"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
+    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+):
+    """Generate one completion and stream it to the terminal."""
+    from trtc.compiler.errors import TrtcError
+    from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError
+    from trtc.runtime.sequence import SamplingParams
+    try:
+        engine = LLMEngine(artifact, EngineConfig(executor=executor, kv_cache_memory=256 << 20, max_num_seqs=1))
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if chat:
+            engine.add_request(None, params, prompt_ids=engine.apply_chat_template([{"role": "user", "content": prompt}]))
+        else:
+            engine.add_request(prompt, params)
+    except (TrtcError, RequestError) as e:
+        _fail(e)
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.delta_text, end="", flush=True)
+    print()
+    if out is not None:
+        err.print(f"[{len(out.token_ids)} tokens, finish reason: {out.finish_reason}]")
+
+
+def _range(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+        if not 1 <= lo <= hi:
+            raise ValueError
+        return lo, hi
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected MIN:MAX with 1 <= MIN <= MAX (or one number)", param_hint=name)
+
+
+@app.command()
+def bench(
+    artifact: Optional[Path] = typer.Argument(None, help="artifact to load in-process (or use --url)"),
+    url: Optional[str] = typer.Option(None, help="benchmark a running `trtc serve` at this URL instead"),
+    num_requests: int = typer.Option(64, "--num-requests", "-n", help="requests in the set"),
+    prompt_len: str = typer.Option("32:256", help="prompt tokens, MIN:MAX (uniform)"),
+    output_len: str = typer.Option("16:128", help="output tokens, MIN:MAX (uniform; EOS ignored)"),
+    seed: int = typer.Option(0, help="seed of the request set and of Poisson arrivals"),
+    concurrency: int = typer.Option(16, help="requests in flight (in-flight mode) / batch size (static mode)"),
+    rate: Optional[float] = typer.Option(None, help="Poisson arrival rate in requests/s instead of fixed concurrency"),
+    mode: str = typer.Option("both", help="inflight | static | both (same request set, one after the other)"),
+    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+    kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results as JSON here"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY"),
+):
+    """Replay a request set and report TTFT, TPOT, inter-token and end-to-end latency
+    (mean/p50/p90/p99), requests/s, output tokens/s and memory, for in-flight batching and for
+    static batching (fixed batches that wait for their longest member) on the same requests."""
+    import json
+
+    from rich.table import Table
+
+    from trtc.compiler.errors import TrtcError
+    from trtc.runtime import bench as B
+    if (artifact is None) == (url is None):
+        raise typer.BadParameter("give either an ARTIFACT directory or --url", param_hint="ARTIFACT/--url")
+    if mode not in ("inflight", "static", "both"):
+        raise typer.BadParameter(f"{mode!r}: choose inflight, static or both", param_hint="--mode")
+    plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
+    results = []
+    try:
+        if url:
+            import httpx
+            vocab = 32000
+            requests = B.make_requests(num_requests, plen, olen, vocab, seed)
+            results.append(B.run_server(url, requests, concurrency, rate, seed, api_key))
+        else:
+            from trtc.runtime.engine import EngineConfig, LLMEngine
+            engine = LLMEngine(artifact, EngineConfig(executor=executor, kv_cache_memory=int(kv_cache_memory * 2**20),
+                                                      max_num_seqs=max(concurrency, 1)))
+            special = set(engine.tokenizer.all_special_ids)
+            requests = B.make_requests(num_requests, plen, olen, engine.manifest["model"]["vocab_size"], seed, special)
+            # Warm up first: the first steps of a fresh process pay one-off allocation costs.
+            B.run_engine(engine, B.make_requests(min(4, concurrency), plen, (2, 4), 1000, seed + 1, special),
+                         "inflight", concurrency)
+            for m in (["inflight", "static"] if mode == "both" else [mode]):
+                err.print(f"running {m} batching: {num_requests} requests, concurrency {concurrency} ...")
+                results.append(B.run_engine(engine, requests, m, concurrency, rate if m == "inflight" else None, seed))
+    except TrtcError as e:
+        _fail(e)
+
+    table = Table(title=f"trtc bench: {num_requests} requests, prompts {prompt_len}, outputs {output_len}, seed {seed}")
+    table.add_column("metric")
+    for r in results:
+        table.add_column(r["mode"], justify="right")
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1000:.1f}"
+    table.add_row("requests/s", *[f"{r['requests_per_s']:.2f}" for r in results])
+    table.add_row("output tokens/s", *[f"{r['output_tokens_per_s']:.1f}" for r in results])
+    for key, label in (("ttft_s", "TTFT ms"), ("tpot_s", "TPOT ms"), ("itl_s", "ITL ms"), ("e2e_s", "E2E ms")):
+        for p in ("p50", "p90", "p99"):
+            table.add_row(f"{label} {p}", *[ms(r[key][p]) for r in results])
+    table.add_row("duration s", *[f"{r['duration_s']:.1f}" for r in results])
+    table.add_row("peak KV MB", *[f"{r['peak_kv_mb']:.1f}" if r.get("peak_kv_mb") is not None else "-" for r in results])
+    table.add_row("peak RSS MB", *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results])
+    Console().print(table)
+    if len(results) == 2:
+        a, b = results
+        Console().print(f"in-flight / static: {a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x output "
+                        f"tokens/s, {b['e2e_s']['mean'] / a['e2e_s']['mean']:.2f}x lower mean E2E latency")
+    if json_out:
+        json_out.write_text(json.dumps({"requests": num_requests, "prompt_len": prompt_len,
+                                        "output_len": output_len, "seed": seed, "concurrency": concurrency,
+                                        "results": results}, indent=2))
 
 
 def main() -> None:

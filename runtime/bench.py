@@ -1,0 +1,170 @@
+"""`trtc bench`: replay a request set against the Python API or a running server and report the
+numbers of inference: TTFT, TPOT, inter-token latency, end-to-end latency (p50/p90/p99),
+requests/s, output tokens/s and peak memory; in-flight batching and static batching (fixed
+batches that wait for their longest member, as transformers' `generate` does) on the same set."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from trtc.runtime.sequence import SamplingParams
+
+
+@dataclass
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class RequestTiming:
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    finish: float = 0.0
+    num_prompt_tokens: int = 0
+
+
+def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+                  seed: int, reserved: set[int] = frozenset()) -> list[BenchRequest]:
+    """A reproducible request set: random token prompts (no special tokens), fixed output lengths."""
+    rng = random.Random(seed)
+    usable = [t for t in range(min(vocab, 32000)) if t not in reserved]
+    return [BenchRequest([rng.choice(usable) for _ in range(rng.randint(*prompt_len))],
+                         rng.randint(*output_len)) for _ in range(n)]
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(p):
+        k = (len(ordered) - 1) * p / 100
+        lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(name: str, timings: list[RequestTiming], wall: float, peak_rss: int | None) -> dict:
+    ttft = [t.token_times[0] - t.arrival for t in timings if t.token_times]
+    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
+            for t in timings if len(t.token_times) > 1]
+    itl = [b - a for t in timings for a, b in zip(t.token_times, t.token_times[1:])]
+    e2e = [t.finish - t.arrival for t in timings]
+    out_tokens = sum(len(t.token_times) for t in timings)
+    return {"mode": name, "requests": len(timings), "duration_s": wall,
+            "requests_per_s": len(timings) / wall, "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / wall, "ttft_s": percentiles(ttft),
+            "tpot_s": percentiles(tpot), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+            "peak_rss_mb": peak_rss / 2**20 if peak_rss else None}
+
+
+def _params(req: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(engine, requests: list[BenchRequest], mode: str, concurrency: int,
+               rate: float | None = None, seed: int = 0) -> dict:
+    """In-process: ``inflight`` keeps ``concurrency`` requests in the engine (or admits them on a
+    Poisson clock at ``rate``/s); ``static`` runs batches of ``concurrency`` to completion."""
+    rng = random.Random(seed)
+    timings: dict[str, RequestTiming] = {}
+    pending = list(requests)
+    start = time.perf_counter()
+    next_arrival = start
+    peak_kv_blocks = 0
+
+    def admit(req: BenchRequest, now: float):
+        rid = engine.add_request(None, _params(req), prompt_ids=req.prompt_ids)
+        timings[rid] = RequestTiming(arrival=now, num_prompt_tokens=len(req.prompt_ids))
+
+    while pending or engine.has_unfinished():
+        now = time.perf_counter()
+        if mode == "static":
+            if not engine.has_unfinished():
+                for req in pending[:concurrency]:
+                    admit(req, now)
+                pending = pending[concurrency:]
+        elif rate:
+            while pending and now >= next_arrival:
+                admit(pending.pop(0), next_arrival)
+                next_arrival += rng.expovariate(rate)
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, min(next_arrival - now, 0.05)))
+                continue
+        else:
+            in_flight = engine.scheduler.num_waiting + engine.scheduler.num_running
+            while pending and in_flight < concurrency:
+                admit(pending.pop(0), now)
+                in_flight += 1
+        outputs = engine.step()
+        peak_kv_blocks = max(peak_kv_blocks, engine.kv_blocks_used())
+        now = time.perf_counter()
+        for out in outputs:
+            t = timings[out.request_id]
+            t.token_times += [now] * len(out.new_token_ids)
+            if out.finished:
+                t.finish = now
+    wall = time.perf_counter() - start
+    result = summarize(mode, list(timings.values()), wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    result["peak_kv_mb"] = peak_kv_blocks * engine.manifest["kv_cache"]["bytes_per_block"] / 2**20
+    return result
+
+
+async def _run_server(url: str, model: str, requests: list[BenchRequest], concurrency: int,
+                      rate: float | None, seed: int, api_key: str | None) -> list[RequestTiming]:
+    import httpx
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def one(client, req: BenchRequest, delay: float) -> RequestTiming:
+        await asyncio.sleep(delay)
+        async with sem:
+            t = RequestTiming(arrival=time.perf_counter(), num_prompt_tokens=len(req.prompt_ids))
+            body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"server answered {r.status_code}: {await r.aread()!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0]["text"]:
+                        t.token_times.append(time.perf_counter())
+            t.finish = time.perf_counter()
+            return t
+
+    delays, clock = [], 0.0
+    for _ in requests:
+        delays.append(clock)
+        if rate:
+            clock += rng.expovariate(rate)
+    async with httpx.AsyncClient(timeout=None) as client:
+        return await asyncio.gather(*(one(client, r, d) for r, d in zip(requests, delays)))
+
+
+def run_server(url: str, requests: list[BenchRequest], concurrency: int, rate: float | None = None,
+               seed: int = 0, api_key: str | None = None) -> dict:
+    import httpx
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+    start = time.perf_counter()
+    timings = asyncio.run(_run_server(url, model, requests, concurrency, rate, seed, api_key))
+    wall = time.perf_counter() - start
+    rss = None
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("process_resident_memory_bytes "):
+            rss = int(float(line.split()[1]))
+    return summarize("server", timings, wall, rss)
+
+
+def as_dict(result: dict) -> dict:
+    return json.loads(json.dumps(result, default=lambda o: asdict(o)))

@@ -1,0 +1,254 @@
+"""The engine: scheduler + block manager + executor + sampler + detokenizer, one `step()` at a
+time (nano-vllm's LLMEngine, in-flight batching over the paged KV cache). `LLM` on top of it is
+the offline API users know from vLLM."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trtc.compiler.artifact import read_manifest
+from trtc.runtime.block_manager import BlockManager
+from trtc.runtime.executor import create_executor, default_num_blocks
+from trtc.runtime.sampler import Sampler, make_generator
+from trtc.runtime.scheduler import Scheduler
+from trtc.runtime.sequence import SamplingParams, Sequence
+from trtc.runtime.step import make_step
+
+log = logging.getLogger("trtc.engine")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (too long, bad parameters); the message says why."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]               # generated so far
+    text: str                          # generated text so far (stop string excluded)
+    new_token_ids: list[int]           # since the previous output of this request
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0         # prompt tokens served by the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class EngineConfig:
+    executor: str = "auto"             # auto | torch
+    device: str = "cpu"
+    num_blocks: int | None = None      # KV blocks in the pool (default: from kv_cache_memory)
+    kv_cache_memory: int = 1 << 30     # bytes for the KV pool when num_blocks is not given
+    max_num_seqs: int | None = None    # default: the artifact's limits
+    max_num_batched_tokens: int | None = None
+    long_prefill_threshold: int = 0
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class _Detok:
+    """Incremental detokenization state of one request."""
+    text: str = ""
+    sent_tokens: int = 0
+    sent_text: int = 0
+    first_token_time: float | None = None
+    stopped: bool = False
+
+
+class LLMEngine:
+    def __init__(self, artifact_dir: str | Path, config: EngineConfig | None = None):
+        from transformers import AutoTokenizer
+        self.config = config = config or EngineConfig()
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = read_manifest(self.artifact_dir)
+        limits = self.manifest["limits"]
+        self.model_name = self.manifest["name"]
+        self.max_seq_len = limits["max_seq_len"]
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.artifact_dir / "tokenizer"))
+        num_blocks = config.num_blocks or default_num_blocks(self.manifest, config.kv_cache_memory,
+                                                             config.max_num_seqs or limits["max_num_seqs"])
+        self.executor = create_executor(config.executor, self.artifact_dir, num_blocks, config.device)
+        self.block_manager = BlockManager(num_blocks, self.executor.block_size,
+                                          config.enable_prefix_caching)
+        eos = {self.manifest["tokenizer"]["eos_token_id"], *self._generation_eos()} - {None}
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs or limits["max_num_seqs"],
+            config.max_num_batched_tokens or limits["max_num_tokens"], eos_token_id=eos,
+            long_prefill_threshold=config.long_prefill_threshold)
+        self.sampler = Sampler()
+        self.seqs: dict[str, Sequence] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.detok: dict[str, _Detok] = {}
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "mixed_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.last_step: dict = {}
+
+    def _generation_eos(self) -> set[int]:
+        ids = set()
+        for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return ids
+
+    # --- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.manifest["model"]["vocab_size"]
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_seq_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_seq_len} tokens, but "
+                f"{total} were requested ({len(prompt_ids)} in the prompt, {params.max_tokens} "
+                f"for the completion); shorten the prompt or lower max_tokens")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt_ids: list[int] | None = None) -> str:
+        params = params or SamplingParams()
+        prompt_ids = prompt_ids if prompt_ids is not None else self.tokenize(prompt)
+        self.check_request(prompt_ids, params)
+        request_id = request_id or self.new_request_id()
+        seq = Sequence(request_id, prompt_ids, params)
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        self.seqs[request_id] = seq
+        self.generators[request_id] = make_generator(params)
+        self.detok[request_id] = _Detok()
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return []
+        step = make_step(batch.to_work(), self.executor.block_size)
+        logits = self.executor.execute(step)
+        sampling = [i for i, s in enumerate(batch.samples) if s]
+        tokens: list[int | None] = [None] * len(batch)
+        if sampling:
+            seqs = [batch.seqs[i] for i in sampling]
+            picked = self.sampler.sample(logits[sampling], [s.params for s in seqs],
+                                         [self.generators[s.request_id] for s in seqs])
+            for i, t in zip(sampling, picked):
+                tokens[i] = t
+        # Classified before postprocess advances them: decode = only generated tokens left.
+        n_decode = sum(1 for s in batch.seqs if s.num_computed_tokens >= s.num_prompt_tokens)
+        self.last_step = {"num_seqs": len(batch), "num_tokens": batch.num_tokens,
+                          "prefill_seqs": len(batch) - n_decode, "decode_seqs": n_decode,
+                          "preempted": [s.request_id for s in batch.preempted]}
+        self.stats["steps"] += 1
+        if n_decode and len(batch) - n_decode:
+            self.stats["mixed_steps"] += 1
+            log.info("mixed step: %d prefill + %d decode sequences, %d tokens",
+                     len(batch) - n_decode, n_decode, batch.num_tokens)
+        self.scheduler.postprocess(batch, tokens)
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens):
+            if token is None:
+                continue
+            self.stats["generation_tokens"] += 1
+            state = self.detok[seq.request_id]
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.stats["prompt_tokens"] += seq.num_prompt_tokens
+            self._match_stop(seq, state)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _match_stop(self, seq: Sequence, state: _Detok) -> None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):            # an incomplete UTF-8 character: wait for the rest
+            return
+        state.text = text
+        for stop in seq.params.stop:
+            at = text.find(stop, max(0, state.sent_text - len(stop)))
+            if at >= 0:
+                state.text = text[:at]
+                state.stopped = True
+                self.scheduler.finish(seq, "stop")
+                return
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state = self.detok[seq.request_id]
+        finished = seq.is_finished
+        text = state.text
+        if finished and not state.stopped and seq.finish_reason != "abort":
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            state.text = text
+        delta = text[state.sent_text:]
+        new_ids = seq.output_token_ids[state.sent_tokens:]
+        state.sent_text, state.sent_tokens = len(text), seq.num_output_tokens
+        out = RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
+                            list(seq.output_token_ids), text, new_ids, delta, finished,
+                            seq.finish_reason, seq.num_cached_prefix_tokens, seq.arrival_time,
+                            state.first_token_time, time.monotonic() if finished else None)
+        if finished:
+            self.seqs.pop(seq.request_id, None)
+            self.generators.pop(seq.request_id, None)
+            self.detok.pop(seq.request_id, None)
+        return out
+
+    # --- metrics ----------------------------------------------------------------------------
+    def kv_blocks_used(self) -> int:
+        return self.block_manager.num_blocks - self.block_manager.num_free_blocks
+
+
+class LLM:
+    """Offline API: ``LLM(artifact).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, artifact_dir: str | Path, **engine_kwargs):
+        self.engine = LLMEngine(artifact_dir, EngineConfig(**engine_kwargs))
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate([self.engine.apply_chat_template(messages)], params)[0]

@@ -1,0 +1,71 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+A token is drawn with the exponential race (argmax of p / q, q ~ Exp(1) drawn over the vocabulary in
+its own order), which picks token i with probability p_i. The draw depends only on the row's
+probabilities and its generator, never on the other rows of the batch or on whether the row was
+sorted, so a seeded request gives the same tokens whatever it is batched with.
+"""
+from __future__ import annotations
+
+import torch
+
+from trtc.runtime.sequence import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator of a seeded request (None: draw from torch's global one)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> list[int]:
+        """One token per row of ``logits`` [S, vocab]."""
+        return self.sample_with_logprobs(logits, params, generators)[0]
+
+    def sample_with_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
+                             generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+        """One token per row, and its log-probability under the model's raw distribution
+        (before temperature, top-k and top-p, as OpenAI's ``logprobs`` reports it)."""
+        if logits.dim() != 2 or not (logits.shape[0] == len(params) == len(generators)):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params "
+                             f"and {len(generators)} generators")
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = self._probs([params[i] for i in random_rows], logits[rows])
+            q = torch.empty_like(probs).exponential_()
+            for j, i in enumerate(random_rows):
+                if generators[i] is not None:   # a seeded request draws from its own stream only
+                    q[j] = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+            tokens[rows] = (probs / q).argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens.tolist(), logprobs.tolist()
+
+    @staticmethod
+    def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+        """Temperature, then top-k, then top-p (on what top-k kept), as probabilities."""
+        vocab = logits.shape[-1]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                             device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        if (top_k < vocab).any() or (top_p < 1).any():
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=logits.device)
+            drop = rank[None, :] >= top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+            # Nucleus: keep the smallest set whose mass reaches top_p: drop a token when the mass
+            # before it already does (never the first: nothing is before it, and top_p > 0).
+            # top_p = 1 keeps all, whatever rounding does to the cumulative sum.
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+            sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+            logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        return logits.softmax(dim=-1)

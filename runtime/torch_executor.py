@@ -1,0 +1,82 @@
+"""The torch executor: runs an artifact's compiled graph (``model.onnx``) node by node with torch
+ops (`torch_ops.py`); plugin nodes call the plugin implementation for the device (the torch
+reference on CPU). The KV pool is one tensor ``[layers, 2, num_blocks, block_size, kv_heads,
+head_dim]``; layer ``i``'s view is bound to ``kv_cache.{i}`` and updated in place, exactly as the
+TensorRT plugin aliases it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from trtc.compiler.artifact import MODEL_FILE, WEIGHTS_FILE, read_manifest, verify_files
+from trtc.compiler.contract import TORCH_DTYPES, kv_input_name, kv_output_name
+from trtc.compiler.errors import ArtifactError
+from trtc.runtime.torch_ops import OPS
+
+
+def _to_torch(init: onnx.TensorProto, device) -> torch.Tensor:
+    if init.data_type == onnx.TensorProto.BFLOAT16:
+        raw = numpy_helper.to_array(init).view(np.uint16)
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16).to(device)
+    return torch.from_numpy(numpy_helper.to_array(init).copy()).to(device)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+class TorchExecutor:
+    name = "torch"
+
+    def __init__(self, artifact_dir: str | Path, num_blocks: int, device: str = "cpu"):
+        self.dir = Path(artifact_dir)
+        self.manifest = read_manifest(self.dir)
+        verify_files(self.dir, self.manifest, [MODEL_FILE, WEIGHTS_FILE])
+        self.device = torch.device(device)
+        model = onnx.load(str(self.dir / MODEL_FILE))
+        self._load_graph(model)
+        kv = self.manifest["kv_cache"]
+        self.block_size = kv["block_size"]
+        self.num_blocks = num_blocks
+        self.num_layers = kv["num_layers"]
+        self.kv_pool = torch.zeros(self.num_layers, 2, num_blocks, kv["block_size"], kv["num_kv_heads"],
+                                   kv["head_dim"], dtype=TORCH_DTYPES[kv["dtype"]], device=self.device)
+
+    def _load_graph(self, model: onnx.ModelProto) -> None:
+        unsupported = sorted({f"{n.domain}::{n.op_type}" if n.domain else n.op_type
+                              for n in model.graph.node if (n.domain, n.op_type) not in OPS})
+        if unsupported:
+            raise ArtifactError(f"{self.dir}: the torch executor cannot run op(s) {', '.join(unsupported)}")
+        self.constants = {i.name: _to_torch(i, self.device) for i in model.graph.initializer}
+        self.nodes = [(OPS[(n.domain, n.op_type)], list(n.input), list(n.output), _attrs(n))
+                      for n in model.graph.node]
+        # Free each intermediate after its last reader: peak memory stays one layer's worth.
+        last_use: dict[str, int] = {}
+        for i, (_, inputs, _, _) in enumerate(self.nodes):
+            for name in inputs:
+                last_use[name] = i
+        graph_outputs = {o.name for o in model.graph.output}
+        self.release = [[n for n in inputs if last_use.get(n) == i and n not in self.constants
+                         and n not in graph_outputs] for i, (_, inputs, _, _) in enumerate(self.nodes)]
+
+    @torch.inference_mode()
+    def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run one step (the contract's inputs); returns ``logits[num_seqs, vocab]`` (fp32, CPU).
+        The KV pool is updated in place."""
+        env: dict[str, torch.Tensor] = dict(self.constants)
+        env.update({k: v.to(self.device) for k, v in step.items()})
+        for layer in range(self.num_layers):
+            env[kv_input_name(layer)] = self.kv_pool[layer]
+        for (fn, inputs, outputs, attrs), release in zip(self.nodes, self.release):
+            results = fn([env[n] if n else None for n in inputs], attrs)
+            env.update(zip(outputs, results))
+            for name in release:
+                del env[name]
+        for layer in range(self.num_layers):
+            if env[kv_output_name(layer)].data_ptr() != self.kv_pool[layer].data_ptr():
+                self.kv_pool[layer].copy_(env[kv_output_name(layer)])
+        return env["logits"].float().cpu()
