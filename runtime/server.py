@@ -32,7 +32,10 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 def _validation_error(e: ValidationError | RequestValidationError) -> OpenAIError:
     first = e.errors()[0]
-    loc = [str(p) for p in first["loc"] if p != "body"]
+    # Union members show up in the location ('prompt.str', 'prompt.list[int]'): keep field names only.
+    type_tags = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-plain"}
+    loc = [str(p) for p in first["loc"]
+           if p != "body" and not (isinstance(p, str) and ("[" in p or p.lower() in type_tags))]
     param = ".".join(loc) or None
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"the request body is not valid JSON: {first['msg']}")

@@ -183,6 +183,8 @@ def bench(
     executor: str = typer.Option("auto", help=EXECUTOR_HELP),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results as JSON here"),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="keep prefix caching on (off by default: "
+                                        "the second mode would reuse the first mode's blocks)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY"),
 ):
     """Replay a request set and report TTFT, TPOT, inter-token and end-to-end latency
@@ -209,16 +211,18 @@ def bench(
         else:
             from trtc.runtime.engine import EngineConfig, LLMEngine
             engine = LLMEngine(artifact, EngineConfig(executor=executor, kv_cache_memory=int(kv_cache_memory * 2**20),
-                                                      max_num_seqs=max(concurrency, 1)))
+                                                      max_num_seqs=max(concurrency, 1),
+                                                      enable_prefix_caching=prefix_caching))
             special = set(engine.tokenizer.all_special_ids)
-            requests = B.make_requests(num_requests, plen, olen, engine.manifest["model"]["vocab_size"], seed, special)
+            vocab = engine.manifest["model"]["vocab_size"]
+            requests = B.make_requests(num_requests, plen, olen, vocab, seed, special)
             # Warm up first: the first steps of a fresh process pay one-off allocation costs.
-            B.run_engine(engine, B.make_requests(min(4, concurrency), plen, (2, 4), 1000, seed + 1, special),
+            B.run_engine(engine, B.make_requests(min(4, concurrency), plen, (2, 4), vocab, seed + 1, special),
                          "inflight", concurrency)
             for m in (["inflight", "static"] if mode == "both" else [mode]):
                 err.print(f"running {m} batching: {num_requests} requests, concurrency {concurrency} ...")
                 results.append(B.run_engine(engine, requests, m, concurrency, rate if m == "inflight" else None, seed))
-    except TrtcError as e:
+    except (TrtcError, ValueError) as e:
         _fail(e)
 
     table = Table(title=f"trtc bench: {num_requests} requests, prompts {prompt_len}, outputs {output_len}, seed {seed}")
