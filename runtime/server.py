@@ -161,6 +161,33 @@ def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int =
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    async def respond(request: Request, body, prompt_ids: list[int], params, chat: bool):
+        """Run one request and answer in the OpenAI shape of its endpoint, streamed or not."""
+        stream = start(prompt_ids, params)
+        first = await first_output(stream)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name}
+
+        def choice(out: RequestOutput, whole: bool) -> dict:
+            text = out.text if whole else out.delta_text
+            reason = out.finish_reason if out.finished else None
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            content = ("message", {"role": "assistant", "content": text}) if whole else (
+                "delta", {"content": text} if text else {})
+            return {"index": 0, content[0]: content[1], "logprobs": None, "finish_reason": reason}
+
+        if body.stream:
+            opening = [head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}] if chat else []
+            return await streamed(request, stream, first,
+                                  lambda out: head if out is None else head | {"choices": [choice(out, False)]},
+                                  bool((body.stream_options or {}).get("include_usage")), opening)
+        out = await collect(request, stream, first)
+        return head | {"object": "chat.completion" if chat else "text_completion",
+                       "choices": [choice(out, True)], "usage": usage(out)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await parse(request, CompletionRequest)
@@ -178,24 +205,7 @@ def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int =
             raise OpenAIError(400, "the prompt is empty", "prompt")
         if body.echo or body.suffix:
             raise OpenAIError(400, "echo and suffix are not supported", "echo" if body.echo else "suffix")
-        stream = start(prompt_ids, params)
-        first = await first_output(stream)
-        rid, created = f"cmpl-{first.request_id}", int(time.time())
-
-        def chunk(out):
-            base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-            if out is None:
-                return base
-            return base | {"choices": [{"index": 0, "text": out.delta_text, "logprobs": None,
-                                        "finish_reason": out.finish_reason if out.finished else None}]}
-
-        if body.stream:
-            return await streamed(request, stream, first, chunk,
-                                  bool((body.stream_options or {}).get("include_usage")))
-        out = await collect(request, stream, first)
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": usage(out)}
+        return await respond(request, body, prompt_ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -207,29 +217,7 @@ def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int =
             prompt_ids = engine.apply_chat_template(messages)
         except Exception as e:       # template errors (e.g. roles out of order) are the client's
             raise OpenAIError(400, f"cannot apply the chat template: {e}", "messages") from None
-        stream = start(prompt_ids, params)
-        first = await first_output(stream)
-        rid, created = f"chatcmpl-{first.request_id}", int(time.time())
-
-        def chunk(out):
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
-            if out is None:
-                return base
-            return base | {"choices": [{"index": 0, "delta": {"content": out.delta_text} if out.delta_text else {},
-                                        "logprobs": None,
-                                        "finish_reason": out.finish_reason if out.finished else None}]}
-
-        if body.stream:
-            role = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]}
-            return await streamed(request, stream, first, chunk,
-                                  bool((body.stream_options or {}).get("include_usage")), head=[role])
-        out = await collect(request, stream, first)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": usage(out)}
+        return await respond(request, body, prompt_ids, params, chat=True)
 
     @app.get("/v1/models")
     async def models():

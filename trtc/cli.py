@@ -244,7 +244,8 @@ def bench(
     if len(results) == 2:
         a, b = results
         Console().print(f"in-flight / static: {a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x output "
-                        f"tokens/s, {b['e2e_s']['mean'] / a['e2e_s']['mean']:.2f}x lower mean E2E latency")
+                        f"tokens/s, {a['e2e_s']['mean'] / b['e2e_s']['mean']:.2f}x mean E2E latency, "
+                        f"{a['ttft_s']['p50'] / b['ttft_s']['p50']:.2f}x TTFT p50")
     if json_out:
         json_out.write_text(json.dumps({"requests": num_requests, "prompt_len": prompt_len,
                                         "output_len": output_len, "seed": seed, "concurrency": concurrency,
