@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_cases import make_case
 from trtc.plugins.paged_attention.reference import paged_attention
 
 
@@ -27,54 +28,26 @@ def dense_attention(q, k, v, scale, window=0):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [0, 5])
 def test_ragged_step_matches_dense(heads, kv_heads, block_size, window):
-    torch.manual_seed(heads * 100 + block_size + window)
-    D, num_blocks = 8, 64
+    D = 8
     # (cached tokens, new tokens): decode, prefill, prefill chunk after context, block-edge cases
     seqs = [(9, 1), (0, 7), (block_size * 2 - 1, 5), (block_size, block_size + 1), (3, 1)]
-    cache = torch.zeros(2, num_blocks, block_size, kv_heads, D)
-    free = torch.randperm(num_blocks).tolist()
-    full_k, full_v, tables, slots, q_parts, starts, lens = [], [], [], [], [], [0], []
-    new_k, new_v = [], []
-    for cached, new in seqs:
-        total = cached + new
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
-        k = torch.randn(total, kv_heads, D)
-        v = torch.randn(total, kv_heads, D)
-        for pos in range(cached):   # context already in the cache
-            cache[0, blocks[pos // block_size], pos % block_size] = k[pos]
-            cache[1, blocks[pos // block_size], pos % block_size] = v[pos]
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, total)]
-        new_k.append(k[cached:])
-        new_v.append(v[cached:])
-        full_k.append(k)
-        full_v.append(v)
-        q_parts.append(torch.randn(new, heads, D))
-        tables.append(blocks)
-        starts.append(starts[-1] + new)
-        lens.append(total)
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    # One padding token at the end: slot -1, owned by no sequence.
-    q = torch.cat(q_parts + [torch.randn(1, heads, D)])
-    k_in = torch.cat(new_k + [torch.randn(1, kv_heads, D)])
-    v_in = torch.cat(new_v + [torch.randn(1, kv_heads, D)])
-    slot_mapping = torch.tensor(slots + [-1])
-    before = cache.clone()
-    out, cache_out = paged_attention(
-        q.view(len(q), -1), k_in.view(len(q), -1), v_in.view(len(q), -1), cache, slot_mapping,
-        block_tables, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=D, scale=D ** -0.5, sliding_window=window)
-    assert cache_out.data_ptr() == cache.data_ptr(), "the cache is updated in place"
-    out = out.view(len(q), heads, D)
-    for i, (cached, new) in enumerate(seqs):
-        want = dense_attention(q_parts[i], full_k[i], full_v[i], D ** -0.5, window)
+    c = make_case(seqs, heads, kv_heads, D, block_size, 64, seed=heads * 100 + block_size + window)
+    before = c.kv_cache.clone()
+    out, cache_out = paged_attention(*c.args(), num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
+                                     scale=D ** -0.5, sliding_window=window)
+    assert cache_out.data_ptr() == c.kv_cache.data_ptr(), "the cache is updated in place"
+    out = out.view(len(c.query), heads, D)
+    starts = c.query_start_loc.tolist()
+    for i in range(len(seqs)):
+        want = dense_attention(c.q_parts[i], c.full_k[i], c.full_v[i], D ** -0.5, window)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[-1], torch.zeros(heads, D)), "padding tokens produce zeros"
     # The cache is what it was, with exactly the new tokens' slots holding their K/V.
     expected = before.clone()
-    expected.view(2, -1, kv_heads, D)[0, slot_mapping[:-1]] = k_in[:-1]
-    expected.view(2, -1, kv_heads, D)[1, slot_mapping[:-1]] = v_in[:-1]
-    assert torch.equal(cache, expected)
+    new = c.slot_mapping[:-1]
+    expected.view(2, -1, kv_heads, D)[0, new] = c.key[:-1].view(-1, kv_heads, D)
+    expected.view(2, -1, kv_heads, D)[1, new] = c.value[:-1].view(-1, kv_heads, D)
+    assert torch.equal(c.kv_cache, expected)
 
 
 def test_fp16_inputs_keep_dtype_and_cache_dtype():

@@ -23,7 +23,8 @@ SPEC = PluginSpec(
 def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
                     query_start_loc, *, num_heads: int, num_kv_heads: int, head_dim: int,
                     scale: float, sliding_window: int = 0):
-    """Eager: the reference (in place on ``kv_cache``). Under ONNX export: one plugin node."""
+    """Under ONNX export: one plugin node. Eager: the Triton kernels on CUDA tensors, the torch
+    reference on CPU (both write ``kv_cache`` in place)."""
     attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                  scale=float(scale), sliding_window=sliding_window)
     if torch.onnx.is_in_onnx_export():
@@ -34,5 +35,9 @@ def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, con
             attrs, dtypes=(query.dtype, kv_cache.dtype),
             shapes=(query.shape, kv_cache.shape), version=SPEC.version)
         return out, cache
+    if query.is_cuda:
+        from trtc.plugins.paged_attention.triton_kernels import paged_attention as on_gpu
+        return on_gpu(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
+                      query_start_loc, **attrs)
     return reference(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
                      query_start_loc, **attrs)

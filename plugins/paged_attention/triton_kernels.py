@@ -1,0 +1,213 @@
+"""`trtc::PagedAttention` in Triton: the CUDA implementation (the TensorRT plugin calls the same
+kernels). Semantics are the reference's (`reference.py`); tests compare the two.
+
+Two kernels:
+
+* `_write_kv`: one program per token scatters its new K/V rows into their cache slots.
+* `_paged_attention`: one program per (query tile, KV head, context split). A query tile is up to
+  ``TILE_Q`` consecutive new tokens of one sequence times the ``GROUP`` query heads that share the
+  KV head (GQA packing: each K/V tile is loaded once for all of them). The program walks the
+  sequence's context in ``TILE_K``-position tiles through the block table with an online softmax.
+  For decode (one token per sequence) the context is split across ``num_splits`` programs so that
+  a batch of long sequences fills the GPU; `_combine` merges the partial results (split-K).
+
+Which sequence a query tile belongs to is found in the kernel by a binary search over
+``query_start_loc``, so the launch depends only on tensor shapes, never on their values: the step
+can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride,
+              ROW: tl.constexpr, ROW_P2: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        cols = tl.arange(0, ROW_P2)
+        mask = cols < ROW
+        k = tl.load(key_ptr + token * ROW + cols, mask=mask)
+        v = tl.load(value_ptr + token * ROW + cols, mask=mask)
+        dst = cache_ptr + slot.to(tl.int64) * ROW + cols
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
+    """The sequence whose query tiles include global tile ``tile`` (tile numbering: sequence s
+    owns tiles ``qsl[s] // TILE_Q + s`` onwards, which never overlap)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // TILE_Q + mid
+        if start <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention(
+    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
+    num_seqs, max_blocks, cache_kv_stride, scale, sliding_window,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_Q: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    first_tile = q_begin // TILE_Q + seq
+    q_start = q_begin + (tile - first_tile) * TILE_Q           # first token of this tile
+    if q_start >= q_end:
+        return                                                  # a spare tile of this sequence
+    context_len = tl.load(context_lens_ptr + seq)
+    num_new = q_end - q_begin
+
+    # Rows: TILE_Q tokens x GROUP heads (row r = token r // GROUP, head r % GROUP), padded to TILE_M.
+    rows = tl.arange(0, TILE_M)
+    row_token = q_start + rows // GROUP
+    row_head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < TILE_Q * GROUP) & (row_token < q_end)
+    row_pos = context_len - num_new + (row_token - q_begin)     # absolute position of each query
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],
+                mask=row_valid[:, None] & dim_ok[None, :], other=0.0)
+
+    # Keys this tile may see: up to the last query's position, from the first query's window.
+    last_pos = tl.minimum(context_len - num_new + (q_start - q_begin) + TILE_Q, context_len)
+    first_pos = 0
+    if sliding_window > 0:
+        first_pos = tl.maximum(context_len - num_new + (q_start - q_begin) - sliding_window + 1, 0)
+        first_pos = (first_pos // TILE_K) * TILE_K
+    span = last_pos - first_pos
+    per_split = tl.cdiv(tl.cdiv(span, TILE_K), NUM_SPLITS) * TILE_K
+    k_begin = first_pos + split * per_split
+    k_end = tl.minimum(k_begin + per_split, last_pos)
+
+    m_i = tl.full([TILE_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, HEAD_DIM_P2], tl.float32)
+    offs_k = tl.arange(0, TILE_K)
+    table = block_tables_ptr + seq.to(tl.int64) * max_blocks
+    for start in range(k_begin, k_end, TILE_K):
+        pos = start + offs_k
+        pos_ok = pos < k_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        addr = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(cache_ptr + addr, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * scale
+        visible = pos_ok[None, :] & (pos[None, :] <= row_pos[:, None])
+        if sliding_window > 0:
+            visible &= pos[None, :] > row_pos[:, None] - sliding_window
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        m_i = m_new
+
+    out_rows = row_token[:, None] * NUM_HEADS + row_head[:, None]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + out_rows * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & dim_ok[None, :])
+    else:
+        part = (row_token * NUM_HEADS + row_head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :], acc,
+                 mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM_P2))
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _combine(part_acc_ptr, part_ml_ptr, out_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+             NUM_SPLITS: tl.constexpr):
+    """Merge the splits of one (token, head) row: softmax-weighted sum of the partial results."""
+    row = tl.program_id(0)
+    splits = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2)
+    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    dims = tl.arange(0, HEAD_DIM_P2)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM_P2 + dims[None, :])
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms: int = 132) -> dict:
+    """Launch shape from tensor shapes only. Decode-only steps (one token per sequence) get
+    single-token tiles and a context split large enough to fill the GPU."""
+    group = num_heads // num_kv_heads
+    decode = num_tokens == num_seqs
+    tile_q = 1 if decode else max(1, 64 // group)
+    tile_m = max(16, _pow2(tile_q * group))
+    tiles = num_tokens // tile_q + num_seqs
+    splits = 1
+    if decode:
+        while tiles * num_kv_heads * splits < 4 * sms and splits < 16:
+            splits *= 2
+    return {"tile_q": tile_q, "tile_m": tile_m, "tiles": tiles, "splits": splits}
+
+
+def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
+                    query_start_loc, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                    scale: float, sliding_window: int = 0, tile_k: int = 64, num_splits: int | None = None,
+                    num_warps: int = 4, num_stages: int = 2):
+    """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place."""
+    num_tokens = query.shape[0]
+    num_seqs = context_lens.shape[0]
+    block_size = kv_cache.shape[2]
+    row = num_kv_heads * head_dim
+    cache_kv_stride = kv_cache.stride(0)
+    _write_kv[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping, cache_kv_stride,
+                             ROW=row, ROW_P2=_pow2(row))
+    p = plan(num_tokens, num_seqs, num_heads, num_kv_heads)
+    splits = num_splits or p["splits"]
+    out = torch.empty_like(query)
+    d_p2 = _pow2(head_dim)
+    if splits > 1:
+        part_acc = torch.empty(num_tokens * num_heads * splits, d_p2, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(num_tokens * num_heads * splits, 2, dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out      # unused
+    grid = (p["tiles"], num_kv_heads, splits)
+    _paged_attention[grid](
+        query.contiguous(), kv_cache, out, part_acc, part_ml, block_tables, context_lens, query_start_loc,
+        num_seqs, block_tables.shape[1], cache_kv_stride, scale, sliding_window,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=block_size, TILE_Q=p["tile_q"],
+        TILE_M=p["tile_m"], TILE_K=tile_k, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _combine[(num_tokens * num_heads,)](part_acc, part_ml, out, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2,
+                                            NUM_SPLITS=splits)
+    return out, kv_cache
