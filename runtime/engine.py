@@ -74,10 +74,13 @@ class LLMEngine:
         self.model_name = self.manifest["name"]
         self.max_seq_len = limits["max_seq_len"]
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.artifact_dir / "tokenizer"))
-        num_blocks = config.num_blocks or default_num_blocks(self.manifest, config.kv_cache_memory,
-                                                             config.max_num_seqs or limits["max_num_seqs"])
+        on_gpu = config.executor == "cuda" or (config.executor == "auto" and torch.cuda.is_available())
+        num_blocks = config.num_blocks
+        if num_blocks is None and not on_gpu:      # the CUDA executor sizes its pool from GPU memory
+            num_blocks = default_num_blocks(self.manifest, config.kv_cache_memory,
+                                            config.max_num_seqs or limits["max_num_seqs"])
         self.executor = create_executor(config.executor, self.artifact_dir, num_blocks, config.device)
-        self.block_manager = BlockManager(num_blocks, self.executor.block_size,
+        self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
                                           config.enable_prefix_caching)
         eos = {self.manifest["tokenizer"]["eos_token_id"], *self._generation_eos()} - {None}
         self.scheduler = Scheduler(

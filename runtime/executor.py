@@ -1,6 +1,7 @@
 """Executors run one step of the contract on a device. All implement
 ``execute(step) -> logits`` with ``block_size`` and ``num_blocks`` attributes; the engine never
-knows which one it has. Today: the torch executor (CPU; the compiled graph with plugin references)."""
+knows which one it has: the torch executor (the compiled graph with the plugin references, CPU)
+and the CUDA executor (the same graph on a GPU with the Triton kernels and CUDA graphs)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 
 from trtc.compiler.errors import ArtifactError
 
-EXECUTORS = ("auto", "torch")
+EXECUTORS = ("auto", "torch", "cuda")
 
 
 class Executor(Protocol):
@@ -34,8 +35,14 @@ def default_num_blocks(manifest: dict, kv_cache_memory: int, max_num_seqs: int) 
     return int(blocks)
 
 
-def create_executor(name: str, artifact_dir: str | Path, num_blocks: int, device: str = "cpu") -> Executor:
+def create_executor(name: str, artifact_dir: str | Path, num_blocks: int | None, device: str = "cpu") -> Executor:
+    """``auto`` picks CUDA where a GPU is present, else the torch executor on the CPU."""
     if name not in EXECUTORS:
         raise ArtifactError(f"unknown executor {name!r} (choose from {', '.join(EXECUTORS)})")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ArtifactError("executor 'cuda' needs a CUDA GPU and a CUDA build of torch; none is present")
+        from trtc.runtime.cuda_executor import CudaExecutor
+        return CudaExecutor(artifact_dir, num_blocks)
     from trtc.runtime.torch_executor import TorchExecutor
-    return TorchExecutor(artifact_dir, num_blocks, device)
+    return TorchExecutor(artifact_dir, num_blocks or 1024, device)

@@ -22,7 +22,10 @@ def _to_torch(init: onnx.TensorProto, device) -> torch.Tensor:
     if init.data_type == onnx.TensorProto.BFLOAT16:
         raw = numpy_helper.to_array(init).view(np.uint16)
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(numpy_helper.to_array(init).copy()).to(device)
+    tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
+    # Integer constants are shapes, axes and split sizes: ops read them on the host, so they
+    # stay there (reading them from a GPU would synchronise, and break CUDA-graph capture).
+    return tensor if not tensor.is_floating_point() else tensor.to(device)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -67,8 +70,12 @@ class TorchExecutor:
     def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step (the contract's inputs); returns ``logits[num_seqs, vocab]`` (fp32, CPU).
         The KV pool is updated in place."""
+        return self.forward({k: v.to(self.device) for k, v in step.items()}).cpu()
+
+    def forward(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The graph on inputs already on the device; logits stay there."""
         env: dict[str, torch.Tensor] = dict(self.constants)
-        env.update({k: v.to(self.device) for k, v in step.items()})
+        env.update(step)
         for layer in range(self.num_layers):
             env[kv_input_name(layer)] = self.kv_pool[layer]
         for (fn, inputs, outputs, attrs), release in zip(self.nodes, self.release):
@@ -79,4 +86,4 @@ class TorchExecutor:
         for layer in range(self.num_layers):
             if env[kv_output_name(layer)].data_ptr() != self.kv_pool[layer].data_ptr():
                 self.kv_pool[layer].copy_(env[kv_output_name(layer)])
-        return env["logits"].float().cpu()
+        return env["logits"].float()
