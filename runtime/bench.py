@@ -65,7 +65,7 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, peak_rss: in
 
 
 def _params(req: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
 
 
 def run_engine(engine, requests: list[BenchRequest], mode: str, concurrency: int,

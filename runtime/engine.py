@@ -13,6 +13,7 @@ import torch
 
 from trtc.compiler.artifact import read_manifest
 from trtc.runtime.block_manager import BlockManager
+from trtc.runtime.detokenizer import IncrementalDetokenizer
 from trtc.runtime.executor import create_executor, default_num_blocks
 from trtc.runtime.sampler import Sampler, make_generator
 from trtc.runtime.scheduler import Scheduler
@@ -56,8 +57,8 @@ class EngineConfig:
 
 @dataclass
 class _Detok:
-    """Incremental detokenization state of one request."""
-    text: str = ""
+    """Output state of one request: its text so far and what has been handed out."""
+    text: IncrementalDetokenizer
     sent_tokens: int = 0
     sent_text: int = 0
     first_token_time: float | None = None
@@ -146,7 +147,7 @@ class LLMEngine:
             raise RequestError(str(e)) from None
         self.seqs[request_id] = seq
         self.generators[request_id] = make_generator(params)
-        self.detok[request_id] = _Detok()
+        self.detok[request_id] = _Detok(IncrementalDetokenizer(self.tokenizer))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -199,14 +200,18 @@ class LLMEngine:
         return outputs
 
     def _match_stop(self, seq: Sequence, state: _Detok) -> None:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):            # an incomplete UTF-8 character: wait for the rest
+        """Extend the text by the new token and finish the request on a stop string (the text
+        is cut before it, as OpenAI's API does)."""
+        if not (seq.params.detokenize or seq.params.stop):
             return
-        state.text = text
+        delta = state.text.update(seq.output_token_ids)
+        if not delta:
+            return
+        text = state.text.text
         for stop in seq.params.stop:
-            at = text.find(stop, max(0, state.sent_text - len(stop)))
+            at = text.find(stop, max(0, len(text) - len(delta) - len(stop) + 1))
             if at >= 0:
-                state.text = text[:at]
+                state.text.text = text[:at]
                 state.stopped = True
                 self.scheduler.finish(seq, "stop")
                 return
@@ -214,10 +219,11 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         state = self.detok[seq.request_id]
         finished = seq.is_finished
-        text = state.text
-        if finished and not state.stopped and seq.finish_reason != "abort":
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            state.text = text
+        if (finished and not state.stopped and seq.finish_reason != "abort"
+                and (seq.params.detokenize or seq.params.stop)):
+            # Bytes still waiting for the rest of a character are flushed as they are.
+            state.text.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        text = state.text.text
         delta = text[state.sent_text:]
         new_ids = seq.output_token_ids[state.sent_tokens:]
         state.sent_text, state.sent_tokens = len(text), seq.num_output_tokens

@@ -19,6 +19,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()            # stop strings: matched by the engine, which detokenizes
     stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
     ignore_eos: bool = False
+    detokenize: bool = True               # False: token ids only (benchmarks), unless stop strings need text
 
     def __post_init__(self):
         # Lists (as JSON gives them) become tuples, so the params stay hashable and immutable.

@@ -130,3 +130,15 @@ def test_bench_command_reports_both_modes(tiny_artifacts, tmp_path):
         assert m["requests"] == 12 and m["output_tokens"] > 0 and m["ttft_s"]["p50"] > 0
     # Same request set: the same number of output tokens either way (EOS is ignored).
     assert modes["inflight"]["output_tokens"] == modes["static"]["output_tokens"]
+
+
+def test_incremental_detokenizer_matches_full_decode():
+    from trtc.compiler.tiny import byte_tokenizer
+    from trtc.runtime.detokenizer import IncrementalDetokenizer
+    tok = byte_tokenizer()
+    ids = tok("naïve café — 東京 🙂 done", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 20                     # multi-byte characters span several tokens
+    inc = IncrementalDetokenizer(tok)
+    pieces = [inc.update(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert "".join(pieces) == inc.text == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
