@@ -30,9 +30,23 @@ def check_buildable(cfg: BuildConfig) -> None:
     if cfg.quantization.method != "none":
         raise ConfigError(f"quantization.method: {cfg.quantization.method!r} is not available in "
                           f"trtc {trtc.__version__} yet (available: none)")
-    if cfg.backend.name != "none":
-        raise ConfigError(f"backend.name: engine builds ({cfg.backend.name!r}) are not available in "
-                          f"trtc {trtc.__version__} yet (available: none, which writes the ONNX artifact)")
+    if cfg.backend.name == "tensorrt-rtx":
+        from trtc.compiler.backends.tensorrt_rtx import check_targets, import_trt
+        try:
+            check_targets(cfg.backend.targets, import_trt())
+        except BuildError as e:          # not installed: a setup problem, said before any work
+            raise ConfigError(f"backend.name: {e}") from None
+    if cfg.backend.name == "tensorrt":
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "backend.name: 'tensorrt' needs full TensorRT >= 10 with its Python bindings, which "
+                "this machine does not have (install it from NVIDIA's package index on a machine with "
+                "the target GPU: pip install tensorrt-cu12, or tensorrt-cu13); to build engines "
+                "without a GPU use backend tensorrt-rtx") from None
+        raise ConfigError(f"backend.name: engine builds with 'tensorrt' are not available in trtc "
+                          f"{trtc.__version__} yet (available: none, tensorrt-rtx)")
 
 
 def kv_cache_record(cfg: BuildConfig, g) -> dict:
@@ -68,6 +82,30 @@ def plugin_records(model: onnx.ModelProto) -> list[dict]:
         nodes = [n.name for n in model.graph.node if n.domain == DOMAIN and n.op_type == spec.op_type]
         if nodes:
             records.append({**spec.to_manifest(), "num_nodes": len(nodes)})
+    return records
+
+
+def build_rtx(proto: onnx.ModelProto, manifest: dict, cfg: BuildConfig, staging: Path,
+              progress: Progress) -> list[dict]:
+    """TensorRT-RTX engines: the paged graph lowered to native layers with a slot KV cache,
+    built CPU-only for each target (see compiler/backends)."""
+    from trtc.compiler.backends.rtx_lowering import lower_for_rtx, lowering_summary
+    from trtc.compiler.backends.slot_contract import SlotContract
+    from trtc.compiler.backends.tensorrt_rtx import build_rtx_engines
+    seq_len = manifest["limits"]["max_seq_len"]
+    with progress.stage("lower", "lowering plugins to TensorRT-RTX native layers") as done:
+        lowered = lower_for_rtx(proto, manifest, seq_len)
+        summary = lowering_summary(lowered)
+        done["detail"] = ", ".join(f"{k} {v}" for k, v in sorted(summary.items())
+                                   if k in ("Attention", "TRT_KVCacheUpdate"))
+    with progress.stage("engines", f"building TensorRT-RTX engines for {', '.join(cfg.backend.targets)}") as done:
+        records = build_rtx_engines(lowered, staging, cfg.backend.targets, manifest["limits"], cfg.precision,
+                                    log=progress.log)
+        done["detail"] = ", ".join(f"{r['target']} {r['bytes'] / 1e6:.0f} MB" for r in records)
+    contract = SlotContract.from_manifest(manifest, seq_len).to_manifest()
+    for r in records:
+        r["contract"] = contract
+        r["build_time_s"] = r.pop("build_seconds")
     return records
 
 
@@ -128,13 +166,17 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
                 "build": {"config": cfg.model_dump(mode="json"),
                           "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                                        "python": platform.python_version()}},
-                "files": artifact.file_records(staging),
                 "engines": [],
             }
-            manifest["build"]["duration_s"] = round(time.perf_counter() - started, 1)
-            artifact.write_manifest(staging, manifest)
             gb = manifest["graph"]["weight_bytes"]["total"] / 1e6
             done["detail"] = f"{gb:.1f} MB of weights"
+        if cfg.backend.name == "tensorrt-rtx":
+            # From what was written: saving moved the weights out of `proto` into model.onnx.data.
+            written = onnx.load(str(staging / artifact.MODEL_FILE))
+            manifest["engines"] = build_rtx(written, manifest, cfg, staging, progress)
+        manifest["files"] = artifact.file_records(staging)
+        manifest["build"]["duration_s"] = round(time.perf_counter() - started, 1)
+        artifact.write_manifest(staging, manifest)
         progress.log(f"built {out_dir} in {time.perf_counter() - started:.1f}s")
         (staging / "build.log").write_text(progress.text())
     return out_dir

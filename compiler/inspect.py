@@ -60,5 +60,40 @@ def inspect_artifact(directory: str | Path, console: Console | None = None, veri
     console.print(plugins)
 
     engines = m.get("engines", [])
-    console.print(f"engines: {len(engines)}" + ("" if engines else " (ONNX artifact only)"))
+    if not engines:
+        console.print("engines: none (ONNX artifact only)")
+        return m
+    table = Table(title="engines", title_justify="left")
+    for col in ("target", "backend", "KV layout", "size", "sha256", "I/O", "runs on this host"):
+        table.add_column(col)
+    for e in engines:
+        ins, outs = e["io"]["inputs"], e["io"]["outputs"]
+        caches = sum(1 for t in ins if "cache" in t["name"] and t["name"] != "cache_positions")
+        shown = [f"{t['name']} {t['shape']} {t['dtype']}" for t in ins if "cache." not in t["name"]]
+        io = f"in: {'; '.join(shown)}; + {caches} caches -> {len(outs)} outputs"
+        table.add_row(f"{e['target']} (cc {e['compute_capability']})",
+                      f"{e['backend']} {e.get('trt_version', '')}", e.get("kv_layout", "paged"),
+                      _mb(e["bytes"]), e["sha256"][:12], io, host_can_run(e))
+    console.print(table)
     return m
+
+
+def host_can_run(engine: dict) -> str:
+    """Whether this machine could deserialize and run the engine, and if not, why."""
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        return "no: this host has no GPU"
+    major, minor = torch.cuda.get_device_capability()
+    here = f"{major}.{minor}"
+    if here != engine["compute_capability"]:
+        return f"no: GPU is compute capability {here}, engine is for {engine['compute_capability']}"
+    module = "tensorrt_rtx" if engine["backend"] == "tensorrt-rtx" else "tensorrt"
+    try:
+        __import__(module)
+    except ImportError:
+        return f"no: {module} is not installed"
+    return "yes"

@@ -103,3 +103,14 @@ def load_model(cfg: BuildConfig) -> LoadedModel:
     if getattr(tokenizer, "chat_template", None) is None:
         source["chat_template"] = False
     return LoadedModel(model, tokenizer, geometry, source)
+
+
+def load_source_model(source: dict, dtype: torch.dtype = torch.float32):
+    """The transformers model an artifact was built from, as its manifest records it (for
+    baselines and reference checks)."""
+    from transformers import AutoModelForCausalLM
+    if source["kind"] == "tiny":
+        return tiny_model(source["path"], source.get("seed", 0)).to(dtype)
+    path = Path(source["path"])
+    where, kwargs = (str(path.parent), {"gguf_file": path.name}) if source["kind"] == "gguf" else (str(path), {})
+    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()

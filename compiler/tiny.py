@@ -26,7 +26,15 @@ TINY_MODELS = {
     "tiny-qwen2": ("Qwen2Config", dict(_COMMON, num_key_value_heads=4, tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                         "factor": 2.0})),
+    # Not tiny: the TinyLlama-1.1B geometry with random weights, for GPU benchmarks.
+    "llama-1b-random": ("LlamaConfig", dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=256,
+        eos_token_id=257, rms_norm_eps=1e-5, tie_word_embeddings=False)),
 }
+# Standard deviation of the random weights: large for toy widths, so that argmax checks are not
+# decided by near ties; small at 2048 wide, so fp16 activations stay finite.
+INIT_STD = {"llama-1b-random": 0.02}
 
 
 def tiny_config(name: str):
@@ -46,7 +54,7 @@ def tiny_model(name: str, seed: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, INIT_STD.get(name, 0.08))
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.05)
     return model.eval()

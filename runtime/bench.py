@@ -168,3 +168,39 @@ def run_server(url: str, requests: list[BenchRequest], concurrency: int, rate: f
 
 def as_dict(result: dict) -> dict:
     return json.loads(json.dumps(result, default=lambda o: asdict(o)))
+
+
+def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, device: str) -> dict:
+    """The baseline: transformers' `generate` on the same requests in fixed batches (left-padded,
+    greedy, EOS ignored); a batch runs until its longest member is done. Only the tokens each
+    request asked for count as output."""
+    import torch
+    timings = []
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids):] = 1
+        longest = max(r.max_tokens for r in batch)
+        arrival = time.perf_counter()
+        with torch.inference_mode():
+            hf_model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                              min_new_tokens=longest, do_sample=False, pad_token_id=0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        done = time.perf_counter()
+        for r in batch:
+            # No per-token times from generate: tokens are spread evenly over the batch's time.
+            step = (done - arrival) / longest
+            timings.append(RequestTiming(arrival, [arrival + step * (k + 1) for k in range(r.max_tokens)],
+                                         done, len(r.prompt_ids)))
+    wall = time.perf_counter() - start
+    result = summarize("hf-static", timings, wall, None)
+    if device.startswith("cuda"):
+        import torch
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result

@@ -144,3 +144,45 @@ def test_inspect_refuses_tampered_artifact(tiny_artifacts, tmp_path):
     assert r.returncode == 1 and "model.onnx.data does not match its recorded sha256" in r.stderr
     r = run("inspect", str(tmp_path))
     assert r.returncode == 1 and "is not a trtc artifact" in r.stderr
+
+
+def test_tensorrt_backend_without_tensorrt_says_how_to_install(tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("full TensorRT is installed here")
+    except ImportError:
+        pass
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path, TINY + "backend: {name: tensorrt, targets: [sm90]}\n")
+    r = run("build", str(cfg), "-o", str(out))
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "pip install tensorrt-cu12" in lines[0] and "tensorrt-rtx" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_rtx_build_records_engines_and_inspect_lists_them(tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    out = tmp_path / "art"
+    cfg = write_config(tmp_path, "model: {source: tiny, name: tiny-qwen2}\nprecision: fp16\n"
+                       "limits: {max_num_tokens: 64, max_num_seqs: 4, max_seq_len: 128}\n"
+                       "backend: {name: tensorrt-rtx, targets: [sm86, sm89]}\n")
+    r = run("build", str(cfg), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert [e["target"] for e in m["engines"]] == ["sm86", "sm89"]
+    for e in m["engines"]:
+        assert (out / e["file"]).is_file() and m["files"][e["file"]]["sha256"] == e["sha256"]
+    text = run("inspect", str(out)).stdout
+    assert "sm86 (cc 8.6)" in text and "sm89 (cc 8.9)" in text and "tensorrt-rtx" in text
+    assert "no: this host has no GPU" in text or "runs on this host" in text
+
+
+def test_rtx_refuses_hopper_target_before_work(tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    out = tmp_path / "out"
+    r = run("build", str(write_config(tmp_path, TINY + "backend: {name: tensorrt-rtx, targets: [sm90]}\n")),
+            "-o", str(out))
+    assert r.returncode == 2 and "sm90" in r.stderr and "it supports" in r.stderr
+    assert not out.exists()

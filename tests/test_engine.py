@@ -122,7 +122,7 @@ def test_bench_command_reports_both_modes(tiny_artifacts, tmp_path):
                         "--prompt-len", "8:40", "--output-len", "4:24", "--concurrency", "4", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env={"COLUMNS": "120", **__import__("os").environ})
     assert r.returncode == 0, r.stderr
-    assert "in-flight / static:" in r.stdout and "TTFT ms p50" in r.stdout
+    assert "inflight / static:" in r.stdout and "TTFT ms p50" in r.stdout
     result = json.loads(out.read_text())
     modes = {x["mode"]: x for x in result["results"]}
     assert set(modes) == {"inflight", "static"}

@@ -180,6 +180,8 @@ def bench(
     concurrency: int = typer.Option(16, help="requests in flight (in-flight mode) / batch size (static mode)"),
     rate: Optional[float] = typer.Option(None, help="Poisson arrival rate in requests/s instead of fixed concurrency"),
     mode: str = typer.Option("both", help="inflight | static | both (same request set, one after the other)"),
+    baseline: Optional[str] = typer.Option(None, help="hf: also run transformers' generate on the source model "
+                                           "in static batches of --concurrency, on the same device"),
     executor: str = typer.Option("auto", help=EXECUTOR_HELP),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results as JSON here"),
@@ -198,6 +200,8 @@ def bench(
     from trtc.runtime import bench as B
     if (artifact is None) == (url is None):
         raise typer.BadParameter("give either an ARTIFACT directory or --url", param_hint="ARTIFACT/--url")
+    if baseline not in (None, "hf"):
+        raise typer.BadParameter(f"{baseline!r}: the only baseline is hf", param_hint="--baseline")
     if mode not in ("inflight", "static", "both"):
         raise typer.BadParameter(f"{mode!r}: choose inflight, static or both", param_hint="--mode")
     plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
@@ -222,6 +226,23 @@ def bench(
             for m in (["inflight", "static"] if mode == "both" else [mode]):
                 err.print(f"running {m} batching: {num_requests} requests, concurrency {concurrency} ...")
                 results.append(B.run_engine(engine, requests, m, concurrency, rate if m == "inflight" else None, seed))
+            if baseline == "hf":
+                import gc
+
+                import torch
+
+                from trtc.compiler.contract import TORCH_DTYPES
+                from trtc.compiler.source import load_source_model
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                manifest = engine.manifest
+                del engine                     # give its KV pool back before the baseline loads
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                hf = load_source_model(manifest["source"], TORCH_DTYPES[manifest["precision"]]).to(device)
+                err.print(f"running transformers generate, static batches of {concurrency} ({device}) ...")
+                results.append(B.run_hf_static(hf, requests, concurrency, device))
     except (TrtcError, ValueError) as e:
         _fail(e)
 
@@ -241,11 +262,12 @@ def bench(
     table.add_row("peak KV MB", *[f"{r['peak_kv_mb']:.1f}" if r.get("peak_kv_mb") is not None else "-" for r in results])
     table.add_row("peak RSS MB", *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results])
     Console().print(table)
-    if len(results) == 2:
-        a, b = results
-        Console().print(f"in-flight / static: {a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x output "
-                        f"tokens/s, {a['e2e_s']['mean'] / b['e2e_s']['mean']:.2f}x mean E2E latency, "
-                        f"{a['ttft_s']['p50'] / b['ttft_s']['p50']:.2f}x TTFT p50")
+    first = results[0]
+    for other in results[1:]:
+        Console().print(f"{first['mode']} / {other['mode']}: "
+                        f"{first['output_tokens_per_s'] / other['output_tokens_per_s']:.2f}x output tokens/s, "
+                        f"{first['e2e_s']['mean'] / other['e2e_s']['mean']:.2f}x mean E2E latency, "
+                        f"{first['ttft_s']['p50'] / other['ttft_s']['p50']:.2f}x TTFT p50")
     if json_out:
         json_out.write_text(json.dumps({"requests": num_requests, "prompt_len": prompt_len,
                                         "output_len": output_len, "seed": seed, "concurrency": concurrency,

@@ -1,0 +1,255 @@
+"""Lower the optimised paged graph to the slot contract (`slot_contract.py`) with native
+TensorRT-RTX layers only.
+
+What changes, and what does not:
+
+* The token axis stays flat. ``input_ids [B, S]`` is reshaped to ``[B*S]`` at the top, so the
+  embedding, RMSNorm, merged GEMMs, rotary embedding, SwiGLU and the logits gather run exactly as
+  in the paged graph (``logits_indices`` already indexes the flat axis).
+* ``positions`` stops being an input: it is ``cache_positions[b] + s``, computed once.
+* Every ``trtc::PagedAttention`` becomes::
+
+      q [T, H*D] -> [B, H, S, D];  k, v [T, KV*D] -> [B, KV, S, D]
+      k_cache_out.i = TRT_KVCacheUpdate(k_cache.i, k, cache_positions)   (same for v)
+      y = Attention(q, k_cache_out.i, v_cache_out.i, mask)  -> [T, H*D]
+
+  ``TRT_KVCacheUpdate`` is TensorRT's own ONNX op (default domain, parsed to IKVCacheUpdateLayer,
+  linear mode); ``Attention`` is ONNX opset 23 with 4-D inputs (TensorRT-RTX wants Q, K and V of
+  one rank; GQA comes from the head counts of the shapes).
+* One bool mask ``[B, 1, S, max_seq_len]`` per distinct sliding window, built once from
+  ``cache_positions``: key ``j`` is visible to new token ``s`` of slot ``b`` iff
+  ``j <= q = cache_positions[b] + s`` (and ``j > q - window``). ``q`` is clamped to
+  ``max_seq_len - 1`` so no row is ever all-masked (padding rows stay finite, never NaN).
+* ``Attention`` carries ``TRT_decomposable=1`` (read by TensorRT's ONNX parser): TensorRT-RTX
+  has no fused fp32 attention kernel and refuses to build one otherwise; where a fused kernel
+  exists (fp16/bf16) it is still the one chosen.
+
+Precision is untouched (strongly typed: the graph's dtypes are the engine's). A KV cache dtype
+other than the model's is written through a Cast and read back through a Cast of the whole cache
+to the model dtype (attending in the cache dtype instead, with Q cast, crashes TensorRT-RTX
+1.7's attention fusion); it costs a pass over the cache per layer, so prefer the model dtype. ``RotaryEmbedding``
+and ``RMSNormalization`` stay: the RTX parser takes them. The ``trtc::SwiGLU`` local function is
+inlined: the parser takes functions too, but imports every call under the body's node names
+and warns that all but the first are not queryable.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx.inliner
+import onnx_graphsurgeon as gs
+
+from trtc.compiler import contract as paged
+from trtc.compiler.backends import slot_contract as slot
+from trtc.compiler.errors import BuildError
+from trtc.plugins import PAGED_ATTENTION
+from trtc.plugins.spec import DOMAIN
+
+KV_CACHE_UPDATE = "TRT_KVCacheUpdate"     # TensorRT's ONNX op, default domain
+QUANTIZED_GEMMS = ("Int4Gemm", "Fp8Gemm")
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)}
+
+
+def check_lowerable(model: onnx.ModelProto) -> None:
+    """Custom-domain nodes the RTX lowering cannot rewrite are a build error, named."""
+    local_functions = {(f.domain, f.name) for f in model.functions}
+    quantized = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in QUANTIZED_GEMMS]
+    if quantized:
+        kinds = sorted({f"{DOMAIN}::{n.op_type}" for n in quantized})
+        names = ", ".join(n.name for n in quantized[:4]) + (", ..." if len(quantized) > 4 else "")
+        raise BuildError(f"backend tensorrt-rtx: lowering {' and '.join(kinds)} to block-wise "
+                         f"Q/DQ is not available yet ({len(quantized)} node(s): {names}); build this "
+                         f"quantized model with backend none or tensorrt")
+    unknown = sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node
+                      if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in local_functions
+                      and not (n.domain == DOMAIN and n.op_type == PAGED_ATTENTION.op_type)})
+    if unknown:
+        raise BuildError(f"backend tensorrt-rtx: no native lowering for {', '.join(unknown)} "
+                         f"(TensorRT-RTX takes no custom plugins)")
+    if not any(n.domain == DOMAIN and n.op_type == PAGED_ATTENTION.op_type for n in model.graph.node):
+        raise BuildError("backend tensorrt-rtx: the graph has no trtc::PagedAttention node to lower "
+                         "(is it a trtc model.onnx?)")
+
+
+class _Builder:
+    """Appends nodes to a graph, naming every tensor after its node."""
+
+    def __init__(self, graph: gs.Graph):
+        self.graph = graph
+
+    def const(self, name: str, value) -> gs.Constant:
+        return gs.Constant(name, np.asarray(value))
+
+    def op(self, op: str, name: str, inputs: list, dtype=None, outputs: list | None = None, **attrs) -> gs.Variable:
+        outputs = outputs or [gs.Variable(f"{name}.out", dtype=dtype)]
+        self.graph.nodes.append(gs.Node(op, name=name, inputs=inputs, outputs=outputs, attrs=attrs))
+        return outputs[0]
+
+
+def _step_tensors(b: _Builder, input_ids: gs.Variable, cache_positions: gs.Variable,
+                  max_seq_len: int, rope_rows: int, windows: set[int]):
+    """Token shape, flat positions and one attention mask per sliding window (0 = none)."""
+    ids_shape = b.op("Shape", "step.ids_shape", [input_ids], np.int64)                       # [B, S]
+    new_tokens = b.op("Gather", "step.new_tokens", [ids_shape, b.const("step.one", np.int64(1))], np.int64, axis=0)
+    offsets = b.op("Range", "step.offsets", [b.const("step.zero", np.int64(0)), new_tokens,
+                                             b.const("step.step", np.int64(1))], np.int64)    # [S]
+    cached = b.op("Cast", "step.cached", [cache_positions], np.int64, to=onnx.TensorProto.INT64)
+    query_pos = b.op("Add", "step.query_positions", [
+        b.op("Unsqueeze", "step.cached_col", [cached, b.const("step.axis1", np.array([1], np.int64))], np.int64),
+        b.op("Unsqueeze", "step.offsets_row", [offsets, b.const("step.axis0", np.array([0], np.int64))], np.int64),
+    ], np.int64)                                                                              # [B, S]
+    # Padding tokens may run past the rope table; their results are never read.
+    rope_pos = b.op("Min", "step.rope_positions", [query_pos, b.const("step.rope_last", np.array(rope_rows - 1, np.int64))], np.int64)
+    flat_positions = b.op("Reshape", "step.positions", [rope_pos, b.const("step.flat", np.array([-1], np.int64))], np.int64)
+
+    last = b.op("Min", "step.mask_query", [query_pos, b.const("step.cache_last", np.array(max_seq_len - 1, np.int64))], np.int64)
+    last = b.op("Unsqueeze", "step.mask_query_col", [last, b.const("step.axis2", np.array([2], np.int64))], np.int64)   # [B, S, 1]
+    keys = b.const("step.key_positions", np.arange(max_seq_len, dtype=np.int64))                                      # [Smax]
+    causal = b.op("LessOrEqual", "step.causal", [keys, last], np.bool_)                                               # [B, S, Smax]
+    masks = {}
+    for window in sorted(windows):
+        visible = causal
+        if window > 0:
+            first = b.op("Sub", f"step.window{window}.first", [last, b.const(f"step.window{window}", np.array(window, np.int64))], np.int64)
+            inside = b.op("Greater", f"step.window{window}.inside", [keys, first], np.bool_)
+            visible = b.op("And", f"step.window{window}.visible", [causal, inside], np.bool_)
+        tag = f"window{window}" if window else "causal"
+        masks[window] = b.op("Unsqueeze", f"step.mask.{tag}", [visible, b.const(f"step.mask.{tag}.axis1", np.array([1], np.int64))], np.bool_)
+    return ids_shape, flat_positions, masks
+
+
+def _lower_attention(b: _Builder, node: gs.Node, layer: int, ids_shape: gs.Variable,
+                     cache_positions: gs.Variable, masks: dict, caches: dict, dtype, kv_dtype) -> None:
+    a = node.attrs
+    heads, kv_heads, head_dim = int(a["num_heads"]), int(a["num_kv_heads"]), int(a["head_dim"])
+    query, key, value = node.inputs[:3]
+    attn_out = node.outputs[0]
+    p = f"model.layers.{layer}.self_attn"
+
+    def to_bhsd(x, n, what):   # [B*S, n*D] -> [B, n, S, D]
+        shape = b.op("Concat", f"{p}.{what}_shape", [ids_shape, b.const(f"{p}.{what}_heads", np.array([n, head_dim], np.int64))], np.int64, axis=0)
+        x = b.op("Reshape", f"{p}.{what}_bshd", [x, shape], dtype)
+        return b.op("Transpose", f"{p}.{what}_bhsd", [x], dtype, perm=[0, 2, 1, 3])
+
+    q, k, v = to_bhsd(query, heads, "q"), to_bhsd(key, kv_heads, "k"), to_bhsd(value, kv_heads, "v")
+    if kv_dtype != dtype:
+        to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv_dtype))
+        k, v = (b.op("Cast", f"{p}.{w}_kv_dtype", [x], kv_dtype, to=to) for w, x in (("k", k), ("v", v)))
+    k_in, v_in, k_out, v_out = caches[layer]
+    b.op(KV_CACHE_UPDATE, f"{p}.k_cache_update", [k_in, k, cache_positions], outputs=[k_out])
+    b.op(KV_CACHE_UPDATE, f"{p}.v_cache_update", [v_in, v, cache_positions], outputs=[v_out])
+    keys, values = k_out, v_out
+    if kv_dtype != dtype:
+        to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        keys, values = (b.op("Cast", f"{p}.{w}_model_dtype", [x], dtype, to=to) for w, x in (("keys", keys), ("values", values)))
+    y = b.op("Attention", f"{p}.attention", [q, keys, values, masks[int(a.get("sliding_window", 0))]], dtype,
+             scale=float(a["scale"]), is_causal=0, TRT_decomposable=1)
+    y = b.op("Transpose", f"{p}.attn_bshd", [y], dtype, perm=[0, 2, 1, 3])
+    attn_out.inputs.clear()
+    b.op("Reshape", f"{p}.attn_flat", [y, b.const(f"{p}.attn_width", np.array([-1, heads * head_dim], np.int64))],
+         outputs=[attn_out])
+
+
+def lower_for_rtx(model: onnx.ModelProto, manifest: dict, max_seq_len: int) -> onnx.ModelProto:
+    """The paged ``model.onnx`` of an artifact, rewritten to the slot contract (a new model)."""
+    check_lowerable(model)
+    table_rows = manifest["limits"]["max_seq_len"]
+    if not 1 <= max_seq_len <= table_rows:
+        raise BuildError(f"backend tensorrt-rtx: max_seq_len {max_seq_len} must be from 1 to the "
+                         f"artifact's limits.max_seq_len {table_rows} (the rotary tables' length)")
+    c = slot.SlotContract.from_manifest(manifest, max_seq_len)
+    graph = gs.import_onnx(onnx.inliner.inline_local_functions(model))
+    for n in graph.nodes:   # inlined function bodies come unnamed
+        n.name = n.name or f"{n.outputs[0].name}.{n.op.lower()}"
+    tensors = graph.tensors()
+    dtype = NUMPY_DTYPES[manifest["precision"]]
+    kv_dtype = NUMPY_DTYPES[c.kv_dtype]
+
+    nodes = [n for n in graph.nodes if n.domain == DOMAIN and n.op == PAGED_ATTENTION.op_type]
+    layer_of = {}
+    for n in nodes:
+        name = n.inputs[3].name
+        layer = next((i for i in range(c.num_layers) if name == paged.kv_input_name(i)), None)
+        if layer is None:
+            raise BuildError(f"backend tensorrt-rtx: PagedAttention node {n.name} reads {name}, "
+                             f"not a layer's KV cache")
+        layer_of[id(n)] = layer
+    if sorted(layer_of.values()) != list(range(c.num_layers)):
+        raise BuildError(f"backend tensorrt-rtx: expected one PagedAttention node per layer "
+                         f"({c.num_layers}), found layers {sorted(layer_of.values())}")
+
+    # New graph inputs; the old token-axis tensors become internal, produced from them.
+    spec = {t.name: t for t in c.inputs()}
+    def new_input(name, np_dtype):
+        return gs.Variable(name, dtype=np_dtype, shape=list(spec[name].shape))
+    input_ids = new_input("input_ids", np.int64)
+    cache_positions = new_input("cache_positions", np.int32)
+    logits_indices = tensors["logits_indices"]
+    logits_indices.shape = list(spec["logits_indices"].shape)
+    caches = {}
+    for i in range(c.num_layers):
+        caches[i] = (new_input(slot.k_cache_name(i), kv_dtype), new_input(slot.v_cache_name(i), kv_dtype),
+                     gs.Variable(slot.k_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
+                     gs.Variable(slot.v_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)))
+
+    b = _Builder(graph)
+    windows = {int(n.attrs.get("sliding_window", 0)) for n in nodes}
+    ids_shape, flat_positions, masks = _step_tensors(b, input_ids, cache_positions, max_seq_len, table_rows, windows)
+    flat_ids = tensors["input_ids"]
+    flat_ids.name = "input_ids.flat"
+    b.op("Reshape", "step.input_ids_flat", [input_ids, b.const("step.ids_flat", np.array([-1], np.int64))],
+         outputs=[flat_ids])
+    old_positions = tensors["positions"]
+    for consumer in list(old_positions.outputs):
+        consumer.inputs = [flat_positions if t is old_positions else t for t in consumer.inputs]
+
+    for n in nodes:
+        _lower_attention(b, n, layer_of[id(n)], ids_shape, cache_positions, masks, caches, dtype, kv_dtype)
+        n.outputs.clear()
+        n.inputs.clear()
+    graph.nodes = [n for n in graph.nodes if n.inputs or n.outputs]
+
+    logits = tensors["logits"]
+    logits.shape = [slot.BATCH, c.vocab_size]
+    graph.inputs = [input_ids, cache_positions, logits_indices]
+    for i in range(c.num_layers):
+        graph.inputs += caches[i][:2]
+    graph.outputs = [logits]
+    for i in range(c.num_layers):
+        graph.outputs += caches[i][2:]
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    lowered = gs.export_onnx(graph)
+    lowered.doc_string = f"trtc slot-contract graph for tensorrt-rtx (max_seq_len {max_seq_len})"
+    del lowered.metadata_props[:]
+    lowered.metadata_props.add(key="trtc.kv_layout", value=slot.KV_LAYOUT)
+    lowered.metadata_props.add(key="trtc.max_seq_len", value=str(max_seq_len))
+    names = [t.name for t in c.inputs()], [t.name for t in c.outputs()]
+    got = [i.name for i in lowered.graph.input], [o.name for o in lowered.graph.output]
+    if got != names:   # the contract is the one source; the graph must say the same
+        raise BuildError(f"backend tensorrt-rtx: lowered graph I/O {got} differs from the slot contract {names}")
+    return lowered
+
+
+def lowering_summary(lowered: onnx.ModelProto) -> dict:
+    """Op counts of a lowered graph (what the manifest records for the RTX graph)."""
+    ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in lowered.graph.node)
+    return {"num_nodes": len(lowered.graph.node), "op_counts": dict(sorted(ops.items()))}
+
+
+def for_onnxruntime(lowered: onnx.ModelProto, domain: str) -> onnx.ModelProto:
+    """A copy onnxruntime can run: ``TRT_KVCacheUpdate`` moved to ``domain`` (where a Python
+    custom op implements it) and TensorRT's ``TRT_decomposable`` hint dropped."""
+    m = copy.deepcopy(lowered)
+    for n in m.graph.node:
+        if n.op_type == KV_CACHE_UPDATE and n.domain == "":
+            n.domain = domain
+        if n.op_type == "Attention":
+            keep = [a for a in n.attribute if a.name != "TRT_decomposable"]
+            del n.attribute[:]
+            n.attribute.extend(keep)
+    if not any(o.domain == domain for o in m.opset_import):
+        m.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    return m
