@@ -81,8 +81,8 @@ class CudaExecutor(TorchExecutor):
     def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
         num_tokens, num_seqs = step["input_ids"].shape[0], step["context_lens"].shape[0]
         size = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
-        if num_tokens != num_seqs or size is None:
-            return super().execute(step)                        # prefill or mixed: eager
+        if num_tokens != num_seqs or size is None:                # prefill or mixed: eager
+            return self.forward({k: v.to(self.device, non_blocking=True) for k, v in step.items()})
         graph, inputs, logits = self.graphs[size]
         n = num_seqs
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
@@ -95,4 +95,4 @@ class CudaExecutor(TorchExecutor):
         inputs["input_ids"][n:].zero_()
         inputs["positions"][n:].zero_()
         graph.replay()
-        return logits[:n].cpu()
+        return logits[:n]              # stays on the GPU: the sampler copies back token ids only

@@ -19,7 +19,8 @@ class Executor(Protocol):
     block_size: int
     num_blocks: int
 
-    def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` fp32, on the executor's device, valid until the next call."""
 
 
 def default_num_blocks(manifest: dict, kv_cache_memory: int, max_num_seqs: int) -> int:

@@ -22,29 +22,33 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> list[int]:
-        """One token per row of ``logits`` [S, vocab]."""
-        return self.sample_with_logprobs(logits, params, generators)[0]
+        """One token per row of ``logits`` [S, vocab]. Greedy rows are an argmax on the logits'
+        device (a GPU's, in the CUDA executor: only token ids come back); rows that draw run on
+        the CPU, where the per-request generators live."""
+        if logits.dim() != 2 or not (logits.shape[0] == len(params) == len(generators)):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params "
+                             f"and {len(generators)} generators")
+        tokens = logits.argmax(dim=-1).tolist()
+        random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        if random_rows:
+            rows = logits[torch.tensor(random_rows, device=logits.device)].float().cpu()
+            probs = self._probs([params[i] for i in random_rows], rows)
+            q = torch.empty_like(probs).exponential_()
+            for j, i in enumerate(random_rows):
+                if generators[i] is not None:   # a seeded request draws from its own stream only
+                    q[j] = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+            for i, t in zip(random_rows, (probs / q).argmax(dim=-1).tolist()):
+                tokens[i] = t
+        return tokens
 
     def sample_with_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
                              generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
         """One token per row, and its log-probability under the model's raw distribution
         (before temperature, top-k and top-p, as OpenAI's ``logprobs`` reports it)."""
-        if logits.dim() != 2 or not (logits.shape[0] == len(params) == len(generators)):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params "
-                             f"and {len(generators)} generators")
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            probs = self._probs([params[i] for i in random_rows], logits[rows])
-            q = torch.empty_like(probs).exponential_()
-            for j, i in enumerate(random_rows):
-                if generators[i] is not None:   # a seeded request draws from its own stream only
-                    q[j] = torch.empty_like(probs[j]).exponential_(generator=generators[i])
-            tokens[rows] = (probs / q).argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-        return tokens.tolist(), logprobs.tolist()
+        tokens = self.sample(logits, params, generators)
+        chosen = torch.tensor(tokens, device=logits.device)[:, None]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen)[:, 0]
+        return tokens, logprobs.tolist()
 
     @staticmethod
     def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
