@@ -26,7 +26,7 @@ def test_cuda_executor_matches_cpu(tiny_artifacts):
         steps.append([SequenceWork([7 + i], len(p) + i, t) for p, t in zip(prompts, tables)])
     for work in steps:
         step = make_step(work, 16)
-        a, b = cpu.execute(step), gpu.execute(step)
+        a, b = cpu.execute(step), gpu.execute(step).cpu()
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
 
 
