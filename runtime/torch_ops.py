@@ -31,6 +31,9 @@ def _rms_norm(x, attrs):
     inp, scale = x[0], x[1]
     stash = ONNX_TO_TORCH[attrs.get("stash_type", 1)]
     axis = attrs.get("axis", -1)
+    if inp.is_cuda and stash == torch.float32 and axis % inp.dim() == inp.dim() - 1:
+        from trtc.runtime import triton_ops
+        return [triton_ops.rms_norm(inp, scale, attrs.get("epsilon", 1e-5))]
     dims = tuple(range(axis % inp.dim(), inp.dim()))
     xf = inp.to(stash)
     y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + attrs.get("epsilon", 1e-5))
@@ -47,6 +50,9 @@ def _rotary(x, attrs):
     heads = attrs["num_heads"]
     head_dim = hidden // heads
     rot = attrs.get("rotary_embedding_dim", 0) or head_dim
+    if inp.is_cuda and rot == head_dim:
+        from trtc.runtime import triton_ops
+        return [triton_ops.rotary(inp, cos_cache, sin_cache, positions, heads)]
     v = inp.view(batch, seq, heads, head_dim)
     cos = cos_cache[positions].unsqueeze(2)     # [batch, seq, 1, rot/2]
     sin = sin_cache[positions].unsqueeze(2)
@@ -91,6 +97,9 @@ def _gather(x, attrs):
 
 
 def _swiglu(x, attrs):
+    if x[0].is_cuda:
+        from trtc.runtime import triton_ops
+        return [triton_ops.swiglu(x[0])]
     gate, up = x[0].chunk(2, dim=-1)
     return [F.silu(gate) * up]
 
