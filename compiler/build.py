@@ -27,9 +27,6 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 def check_buildable(cfg: BuildConfig) -> None:
     """Reject what this version cannot build, before any heavy work."""
-    if cfg.quantization.method != "none":
-        raise ConfigError(f"quantization.method: {cfg.quantization.method!r} is not available in "
-                          f"trtc {trtc.__version__} yet (available: none)")
     if cfg.backend.name == "tensorrt-rtx":
         from trtc.compiler.backends.tensorrt_rtx import check_targets, import_trt
         try:
@@ -47,6 +44,22 @@ def check_buildable(cfg: BuildConfig) -> None:
                 "without a GPU use backend tensorrt-rtx") from None
         raise ConfigError(f"backend.name: engine builds with 'tensorrt' are not available in trtc "
                           f"{trtc.__version__} yet (available: none, tensorrt-rtx)")
+
+
+def check_group_size(cfg: BuildConfig, hf_config) -> None:
+    """INT4 groups must tile every Linear's input width: say so before loading any weight."""
+    if cfg.quantization.method not in ("rtn", "awq", "gptq"):
+        return
+    gs = cfg.quantization.group_size
+    widths = {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
+              "num_attention_heads * head_dim": hf_config.num_attention_heads * (
+                  getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)}
+    bad = {k: v for k, v in widths.items() if v % gs}
+    if bad:
+        raise ConfigError(f"quantization.group_size: {gs} does not divide the model's "
+                          + ", ".join(f"{k} ({v})" for k, v in bad.items())
+                          + f"; choose one of " + ", ".join(str(c) for c in (32, 64, 128)
+                                                          if all(v % c == 0 for v in widths.values())))
 
 
 def kv_cache_record(cfg: BuildConfig, g) -> dict:
@@ -121,11 +134,27 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
         with progress.stage("check", "reading the model config") as done:
             hf_config = load_hf_config(cfg)
             done["detail"] = f"{type(hf_config).__name__.replace('Config', '')}"
+        check_group_size(cfg, hf_config)
         with progress.stage("load", f"loading {cfg.model.source} model") as done:
             loaded = load_model(cfg)
             g = loaded.geometry
             seq_len = max_seq_len(cfg, g)
-            model = from_hf(loaded.hf_model, g, seq_len, contract.TORCH_DTYPES[cfg.precision])
+            done["detail"] = f"{g.architecture}, {g.num_layers} layers"
+        quantized = None
+        if cfg.quantization.method != "none":
+            q = cfg.quantization
+            with progress.stage("quantize", f"{q.method} ({'calibrating, ' if q.method != 'rtn' else ''}"
+                                            f"layer by layer)") as done:
+                from trtc.compiler.quantize.apply import quantize_model
+                quantized = quantize_model(
+                    loaded.hf_model, loaded.tokenizer, q.method, q.group_size, q.calibration.path,
+                    q.calibration.num_samples, q.calibration.seq_len, act_order=q.act_order)
+                rec = quantized.record()
+                done["detail"] = (f"{rec['num_linears_quantized']} linears, "
+                                  f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "
+                                  f"{rec['linear_weight_bytes_quantized'] / 1e6:.0f} MB")
+        with progress.stage("convert", "building the step model") as done:
+            model = from_hf(loaded.hf_model, g, seq_len, contract.TORCH_DTYPES[cfg.precision], quantized)
             del loaded.hf_model
             n_params = sum(p.numel() for p in model.parameters())
             done["detail"] = (f"{g.architecture}, {g.num_layers} layers, {n_params / 1e6:.1f}M "
@@ -153,7 +182,7 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
                 "limits": {"max_num_tokens": cfg.limits.max_num_tokens,
                            "max_num_seqs": cfg.limits.max_num_seqs, "max_seq_len": seq_len},
                 "kv_cache": kv_cache_record(cfg, g),
-                "quantization": {"method": cfg.quantization.method},
+                "quantization": quantized.record() if quantized else {"method": "none"},
                 "io": contract.io_manifest(g.num_layers, g.num_kv_heads, g.head_dim,
                                            cfg.kv_cache.block_size, cfg.kv_dtype, g.vocab_size),
                 "plugins": plugin_records(proto),

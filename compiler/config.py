@@ -91,14 +91,22 @@ class LimitsSection(Section):
 
 
 class CalibrationSection(Section):
-    path: str | None = Field(None, description="text file; default: built-in text")
+    path: str | None = Field(None, description="text file; default: the Python documentation's text (pydoc_data)")
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=8)
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str | None) -> str | None:
+        if v is not None and not resolve_path(v).is_file():
+            raise ValueError(f"calibration file {v!r} does not exist")
+        return v
 
 
 class QuantizationSection(Section):
     method: Literal["none", "rtn", "awq", "gptq", "fp8"] = "none"
     group_size: Literal[32, 64, 128] = 128
+    act_order: bool = Field(False, description="GPTQ: quantize columns in decreasing Hessian diagonal order")
     calibration: CalibrationSection = CalibrationSection()
 
 

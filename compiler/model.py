@@ -139,7 +139,10 @@ def rope_tables(hf_model, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.T
     return cos[0, :, :half].to(dtype).contiguous(), sin[0, :, :half].to(dtype).contiguous()
 
 
-def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype) -> StepModel:
+def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype,
+            quantized=None) -> StepModel:
+    """Our step model with ``hf_model``'s weights; ``quantized`` (a `QuantizationResult`) swaps
+    its projections for the plugin Linear modules (names are transformers', as here)."""
     cos, sin = rope_tables(hf_model, max_seq_len, dtype)
     model = StepModel(g, cos, sin)
     state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
@@ -149,4 +152,6 @@ def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype) ->
     if missing or unexpected:
         raise RuntimeError(f"weights do not match the {g.architecture} layout: "
                            f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if quantized is not None:
+        quantized.install(model)
     return model.to(dtype).eval()

@@ -1,8 +1,10 @@
 """trtc plugins: one semantic definition (a torch reference) per custom ONNX op, plus the
 implementations that must agree with it."""
+from trtc.plugins.fp8_gemm import SPEC as FP8_GEMM
+from trtc.plugins.int4_gemm import SPEC as INT4_GEMM
 from trtc.plugins.paged_attention import SPEC as PAGED_ATTENTION
 from trtc.plugins.spec import DOMAIN, PluginSpec
 
-PLUGINS: dict[str, PluginSpec] = {PAGED_ATTENTION.op_type: PAGED_ATTENTION}
+PLUGINS: dict[str, PluginSpec] = {s.op_type: s for s in (PAGED_ATTENTION, INT4_GEMM, FP8_GEMM)}
 
-__all__ = ["DOMAIN", "PLUGINS", "PAGED_ATTENTION", "PluginSpec"]
+__all__ = ["DOMAIN", "PLUGINS", "PAGED_ATTENTION", "INT4_GEMM", "FP8_GEMM", "PluginSpec"]

@@ -19,13 +19,18 @@ from trtc.runtime.torch_ops import OPS
 
 
 def _to_torch(init: onnx.TensorProto, device) -> torch.Tensor:
-    if init.data_type == onnx.TensorProto.BFLOAT16:
-        raw = numpy_helper.to_array(init).view(np.uint16)
-        return torch.from_numpy(raw.copy()).view(torch.bfloat16).to(device)
+    if init.data_type in (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN):
+        # numpy has no such dtypes: move the raw bits, then reinterpret them in torch.
+        bits = numpy_helper.to_array(init)
+        as_int = bits.view(np.uint16 if init.data_type == onnx.TensorProto.BFLOAT16 else np.uint8)
+        torch_dtype = torch.bfloat16 if init.data_type == onnx.TensorProto.BFLOAT16 else torch.float8_e4m3fn
+        return torch.from_numpy(as_int.copy()).view(torch_dtype).to(device)
     tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
-    # Integer constants are shapes, axes and split sizes: ops read them on the host, so they
-    # stay there (reading them from a GPU would synchronise, and break CUDA-graph capture).
-    return tensor if not tensor.is_floating_point() else tensor.to(device)
+    # Small int32/int64 constants are shapes, axes and split sizes: ops read them on the host, so
+    # they stay there (reading them from a GPU would synchronise and break CUDA-graph capture).
+    if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() <= 64:
+        return tensor
+    return tensor.to(device)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:

@@ -111,6 +111,17 @@ def _paged_attention(x, attrs):
     return [out, cache]
 
 
+def _int4_gemm(x, attrs):
+    from trtc.plugins.int4_gemm import int4_gemm
+    return [int4_gemm(*x, group_size=attrs["group_size"], in_features=attrs["in_features"],
+                      out_features=attrs["out_features"])]
+
+
+def _fp8_gemm(x, attrs):
+    from trtc.plugins.fp8_gemm import fp8_gemm
+    return [fp8_gemm(*x, in_features=attrs["in_features"], out_features=attrs["out_features"])]
+
+
 OPS = {
     ("", "Gemm"): _gemm,
     ("", "MatMul"): lambda x, a: [x[0] @ x[1]],
@@ -127,4 +138,6 @@ OPS = {
     ("", "Gather"): _gather,
     ("trtc", "SwiGLU"): _swiglu,
     ("trtc", "PagedAttention"): _paged_attention,
+    ("trtc", "Int4Gemm"): _int4_gemm,
+    ("trtc", "Fp8Gemm"): _fp8_gemm,
 }

@@ -158,6 +158,27 @@ def generate(
         err.print(f"[{len(out.token_ids)} tokens, finish reason: {out.finish_reason}]")
 
 
+@app.command("eval")
+def evaluate(
+    artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
+    text: Path = typer.Option(..., "--text", help="text file to measure perplexity on"),
+    window: int = typer.Option(512, help="tokens per evaluation window"),
+    max_windows: Optional[int] = typer.Option(None, help="evaluate only the first N windows"),
+    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+):
+    """Perplexity of an artifact on a text file, computed on the compiled graph by the runtime's
+    executor: compare a quantized artifact with its unquantized source."""
+    from trtc.compiler.errors import TrtcError
+    from trtc.runtime.evaluate import perplexity
+    if not text.is_file():
+        raise typer.BadParameter(f"{text} does not exist", param_hint="--text")
+    try:
+        r = perplexity(artifact, text.read_text(), window, max_windows, executor)
+    except (TrtcError, ValueError) as e:
+        _fail(e)
+    print(f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows of {r['window']})")
+
+
 def _range(text: str, name: str) -> tuple[int, int]:
     try:
         lo, _, hi = text.partition(":")

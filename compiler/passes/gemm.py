@@ -1,13 +1,16 @@
 """GEMM fusion: sibling projections that read the same activation (q/k/v, gate/up) become one
 GEMM over concatenated weights (and biases) followed by a Split, so each layer reads its
 activations once and launches one GEMM per group, as vLLM's merged QKV and gate-up layers do.
-Bias stays inside the Gemm node (GEMM+bias in one op)."""
+Bias stays inside the GEMM node (GEMM+bias in one op). Quantized projections merge the same
+way: `trtc::Int4Gemm` and `trtc::Fp8Gemm` keep every per-output-channel tensor along N, so
+their packed weights, scales, zeros and biases concatenate along N too."""
 from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from trtc.compiler.passes.base import PassResult, weight_layer
+from trtc.plugins.spec import DOMAIN
 
 GROUPS = {  # group name -> projection names, in output order
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -15,12 +18,16 @@ GROUPS = {  # group name -> projection names, in output order
 }
 
 
-def _plain_gemm(node: gs.Node) -> bool:
-    a = node.attrs
-    return (node.op == "Gemm" and not a.get("transA", 0) and a.get("transB", 0) == 1
-            and a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0
-            and isinstance(node.inputs[1], gs.Constant)
-            and (len(node.inputs) < 3 or isinstance(node.inputs[2], gs.Constant)))
+def _kind(node: gs.Node) -> str | None:
+    """'Gemm', 'Int4Gemm' or 'Fp8Gemm' for a mergeable projection node, else None."""
+    if node.op == "Gemm" and not node.domain:
+        a = node.attrs
+        plain = (not a.get("transA", 0) and a.get("transB", 0) == 1 and a.get("alpha", 1.0) == 1.0
+                 and a.get("beta", 1.0) == 1.0)
+        return "Gemm" if plain and all(isinstance(t, gs.Constant) for t in node.inputs[1:]) else None
+    if node.domain == DOMAIN and node.op in ("Int4Gemm", "Fp8Gemm"):
+        return node.op if all(isinstance(t, gs.Constant) for t in node.inputs[1:]) else None
+    return None
 
 
 def _projection(node: gs.Node) -> str:
@@ -28,31 +35,72 @@ def _projection(node: gs.Node) -> str:
     return name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
 
 
+def _out_features(node: gs.Node) -> int:
+    return node.inputs[1].values.shape[0]
+
+
+def _bias(node: gs.Node, position: int, n: int, dtype) -> np.ndarray:
+    return node.inputs[position].values if len(node.inputs) > position else np.zeros(n, dtype)
+
+
+def _merged_inputs(kind: str, nodes: list[gs.Node], prefix: str, group: str) -> list[gs.Constant] | None:
+    """The constant inputs of the merged node, or None when the siblings do not merge."""
+    name = f"{prefix}.{group}_proj"
+    sizes = [_out_features(n) for n in nodes]
+    if kind == "Gemm":
+        tensors, bias_at = [n.inputs[1].values for n in nodes], 2
+        if len({w.dtype for w in tensors}) != 1 or len({w.shape[1] for w in tensors}) != 1:
+            return None
+        merged = [gs.Constant(f"{name}.weight", np.concatenate(tensors, 0))]
+    elif kind == "Int4Gemm":
+        if len({n.attrs["group_size"] for n in nodes}) != 1 or len({n.attrs["in_features"] for n in nodes}) != 1:
+            return None
+        bias_at = 4
+        merged = [gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
+                  for i, part in ((1, "qweight"), (2, "scales"), (3, "zeros"))]
+    else:   # Fp8Gemm: one static input scale per node; siblings read the same input, so equal
+        bias_at = 4
+        merged = [gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
+                  for i, part in ((1, "weight"), (2, "weight_scale"))]
+        merged.append(gs.Constant(f"{name}.input_scale",
+                                  np.asarray(np.max([n.inputs[3].values for n in nodes], axis=0),
+                                             dtype=nodes[0].inputs[3].values.dtype)))
+    if any(len(n.inputs) > bias_at for n in nodes):
+        dtype = next(n.inputs[bias_at].values.dtype for n in nodes if len(n.inputs) > bias_at)
+        merged.append(gs.Constant(f"{name}.bias", np.concatenate(
+            [_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)], 0)))
+    return merged
+
+
 def merge_sibling_gemms(graph: gs.Graph) -> tuple[PassResult, PassResult]:
     merged = {g: PassResult(f"{g}_gemm") for g in GROUPS}
     for tensor in list(graph.tensors().values()):
-        gemms = {_projection(n): n for n in tensor.outputs if _plain_gemm(n)}
+        projections = {}
+        for node in tensor.outputs:
+            kind = _kind(node)
+            if kind and node.inputs[0] is tensor:
+                projections[_projection(node)] = (kind, node)
         for group, members in GROUPS.items():
-            if not all(m in gemms for m in members):
+            if not all(m in projections for m in members):
                 continue
-            nodes = [gemms[m] for m in members]
-            weights = [n.inputs[1].values for n in nodes]
-            if len({w.dtype for w in weights}) != 1 or len({w.shape[1] for w in weights}) != 1:
+            kinds = {projections[m][0] for m in members}
+            if len(kinds) != 1:
                 continue
-            sizes = [w.shape[0] for w in weights]
+            kind = kinds.pop()
+            nodes = [projections[m][1] for m in members]
             prefix = nodes[0].inputs[1].name.rsplit(".", 2)[0]
-            inputs = [tensor, gs.Constant(f"{prefix}.{group}_proj.weight", np.concatenate(weights, 0))]
-            if any(len(n.inputs) > 2 for n in nodes):
-                biases = [n.inputs[2].values if len(n.inputs) > 2 else np.zeros(s, weights[0].dtype)
-                          for n, s in zip(nodes, sizes)]
-                inputs.append(gs.Constant(f"{prefix}.{group}_proj.bias", np.concatenate(biases, 0)))
+            constants = _merged_inputs(kind, nodes, prefix, group)
+            if constants is None:
+                continue
+            sizes = [_out_features(n) for n in nodes]
             fused = gs.Variable(f"{prefix}.{group}_proj.out", dtype=nodes[0].outputs[0].dtype)
             outs = [n.outputs[0] for n in nodes]
             for o in outs:
                 o.inputs.clear()
+            attrs = {"transB": 1} if kind == "Gemm" else {**nodes[0].attrs, "out_features": sum(sizes)}
             graph.nodes += [
-                gs.Node("Gemm", name=f"{prefix}.{group}_proj", inputs=inputs, outputs=[fused],
-                        attrs={"transB": 1}),
+                gs.Node(kind, name=f"{prefix}.{group}_proj", inputs=[tensor, *constants], outputs=[fused],
+                        attrs=attrs, domain=None if kind == "Gemm" else DOMAIN),
                 gs.Node("Split", name=f"{prefix}.{group}_split",
                         inputs=[fused, gs.Constant(f"{prefix}.{group}_proj.sizes", np.array(sizes, np.int64))],
                         outputs=outs, attrs={"axis": -1}),

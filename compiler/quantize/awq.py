@@ -1,0 +1,179 @@
+"""AWQ: activation-aware weight quantization (Lin et al., 2023), written from the paper.
+
+A few input channels carry much larger activations than the rest; rounding errors on the
+weights that multiply them cost the most. AWQ scales those weight columns up by
+``s = mean|x| ** alpha`` before quantizing (so they are rounded relatively finer) and divides
+the input by ``s``, folded into the op that produces it:
+
+* q/k/v  read ``input_layernorm``          -> the RMSNorm weight is divided by s
+* gate/up read ``post_attention_layernorm`` -> the RMSNorm weight is divided by s
+* down   reads ``act(gate) * up``          -> up_proj's output rows (and bias) are divided by s
+* o      reads the attention output, a mix of v_proj rows -> v_proj's rows are divided by s,
+  only when the shapes match (no GQA: o_proj.in_features == v_proj.out_features)
+
+so the floating point model computes the same function (up to rounding). ``alpha`` is chosen
+per group from a 20-point grid on [0, 1] to minimise the mean squared error of the group's
+outputs (its Linears' outputs, concatenated) with quantized scaled weights against the fp
+outputs, on calibration activations. ``alpha = 0`` is plain RTN, so on the calibration data
+AWQ never does worse than RTN.
+
+Then, as in the paper, a clipping search: per output row and group, the weight range is
+shrunk to ``max|w| * (1 - i/20)``, i = 0..9, keeping the ratio that best preserves that group's
+contribution to the output on calibration tokens (skipped for q/k, whose errors the attention
+softmax amplifies in ways a per-output error does not see). Clipping is applied only to the
+copy that is quantized; the fp model keeps its unclipped (scaled) weights.
+
+Finally the scaled, clipped weights are RTN-quantized (`rtn.quantize_rtn`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trtc.compiler.quantize import rtn
+from trtc.compiler.quantize.layers import INPUT_GROUPS, LayerInputs, capture_inputs, linear
+
+N_GRID = 20            # alpha grid points on [0, 1]
+CLIP_GRID = 20         # clipping ratios 1 - i/CLIP_GRID ...
+CLIP_MAX_SHRINK = 0.5  # ... down to 1 - CLIP_MAX_SHRINK (exclusive)
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+
+class ActivationSample:
+    """Per input channel mean |x| over every calibration token, plus an evenly strided sample
+    of at most ``max_tokens`` token rows for the searches."""
+
+    def __init__(self, total_tokens: int, max_tokens: int):
+        self.stride = max(1, math.ceil(total_tokens / max_tokens))
+        self.abs_sum: torch.Tensor | None = None
+        self.count = 0
+        self.rows: list[torch.Tensor] = []
+        self._offset = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        s = x.abs().sum(0)
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        self.count += x.shape[0]
+        first = (-self._offset) % self.stride
+        self.rows.append(x[first::self.stride].clone())
+        self._offset += x.shape[0]
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / self.count
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+@dataclass
+class _Group:
+    prev: nn.Module             # RMSNorm, or the Linear whose output rows feed the group
+    prev_is_linear: bool
+    paths: tuple[str, ...]      # the Linears that read the input, to be scaled
+
+
+def scale_groups(layer: nn.Module) -> list[_Group]:
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [_Group(layer.input_layernorm, False, INPUT_GROUPS[0])]
+    if attn.v_proj.out_features == attn.o_proj.in_features:
+        groups.append(_Group(attn.v_proj, True, INPUT_GROUPS[1]))
+    groups.append(_Group(layer.post_attention_layernorm, False, INPUT_GROUPS[2]))
+    groups.append(_Group(mlp.up_proj, True, INPUT_GROUPS[3]))
+    return groups
+
+
+def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weight: torch.Tensor,
+                 group_size: int) -> tuple[torch.Tensor, float, float]:
+    """Best ``s [K]`` for the (concatenated) weight ``[N, K]`` on tokens ``x [M, K]``.
+    Returns ``(s, alpha, loss)``; alpha 0 gives s = 1."""
+    weight = weight.float()
+    ref = x @ weight.T
+    best = (torch.ones_like(mean_abs), 0.0, math.inf)
+    for alpha in torch.linspace(0, 1, N_GRID).tolist():
+        s = mean_abs.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        w_q = rtn.fake_quantize(weight * s, group_size) / s
+        loss = (x @ w_q.T - ref).pow(2).mean().item()
+        if loss < best[2]:
+            best = (s, alpha, loss)
+    return best
+
+
+def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int,
+                rows_per_batch: int = 256) -> torch.Tensor:
+    """Per output row and group, the clipping bound ``[N, K/g]`` (a shrunk max|w|) that best
+    keeps that group's contribution ``x_group @ w_group`` on tokens ``x [M, K]``."""
+    n, k = weight.shape
+    g = k // group_size
+    xg = x.float().reshape(-1, g, group_size).transpose(0, 1)              # [G, M, gs]
+    bounds = []
+    for w in weight.float().split(rows_per_batch):
+        wg = w.reshape(-1, g, group_size)                                  # [n, G, gs]
+        org_max = wg.abs().amax(-1)                                        # [n, G]
+        ref = xg @ wg.permute(1, 2, 0)                                     # [G, M, n]
+        best_err = torch.full_like(org_max, math.inf)
+        best_max = org_max.clone()
+        for i in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
+            max_val = org_max * (1 - i / CLIP_GRID)
+            clipped = torch.maximum(torch.minimum(wg, max_val[..., None]), -max_val[..., None])
+            w_q = rtn.fake_quantize(clipped.reshape(-1, k), group_size).reshape(wg.shape)
+            err = (xg @ w_q.permute(1, 2, 0) - ref).pow(2).mean(1).T       # [n, G]
+            better = err < best_err
+            best_err[better], best_max[better] = err[better], max_val[better]
+        bounds.append(best_max)
+    return torch.cat(bounds)
+
+
+def clip(weight: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = weight.shape
+    b = bounds.repeat_interleave(group_size, dim=1)
+    return torch.maximum(torch.minimum(weight.float(), b), -b)
+
+
+@torch.no_grad()
+def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
+              max_search_tokens: int = 4096, max_clip_tokens: int = 1024,
+              clip_search: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Scale-search, fold (in place, on the fp layer) and clip-search one decoder layer.
+    Returns ``{path: (q uint8 [N, K], scales fp32, zeros uint8)}`` for its seven Linears."""
+    samples = {paths[0]: ActivationSample(inputs.num_tokens, max_search_tokens)
+               for paths in INPUT_GROUPS}
+    capture_inputs(layer, inputs, tuple(samples), lambda path, x: samples[path].add(x))
+
+    # 1. Scales, all searched on the fp layer's own activations, then folded.
+    for group in scale_groups(layer):
+        sample = samples[group.paths[0]]
+        weights = [linear(layer, p).weight for p in group.paths]
+        s, _, _ = search_scale(sample.tokens, sample.mean_abs, torch.cat(weights), group_size)
+        _fold(group, [linear(layer, p) for p in group.paths], s)
+        sample.rows = [r / s for r in sample.rows]                  # the input the layer now sees
+
+    # 2. Clipping, on the scaled weights and inputs; 3. RTN.
+    result = {}
+    for paths in INPUT_GROUPS:
+        x = samples[paths[0]].tokens
+        x = x[:: max(1, math.ceil(x.shape[0] / max_clip_tokens))]
+        for path in paths:
+            w = linear(layer, path).weight.float()
+            if clip_search and path not in NO_CLIP:
+                w = clip(w, search_clip(x, w, group_size), group_size)
+            result[path] = rtn.quantize_rtn(w, group_size, path)
+    return result
+
+
+def _fold(group: _Group, linears: list[nn.Linear], s: torch.Tensor) -> None:
+    """x -> x / s in the producing op, W -> W * s in the consumers: the same function."""
+    prev = group.prev
+    if group.prev_is_linear:
+        prev.weight.div_(s[:, None].to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.div_(s.to(prev.bias.dtype))
+    else:
+        prev.weight.div_(s.to(prev.weight.dtype))
+    for lin in linears:
+        lin.weight.mul_(s[None, :].to(lin.weight.dtype))

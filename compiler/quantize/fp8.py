@@ -1,0 +1,55 @@
+"""FP8 E4M3 quantization for `trtc::Fp8Gemm`.
+
+* Weights: per output channel, ``weight_scale[n] = max_k |W[n, k]| / 448`` (448 is E4M3's
+  largest finite value), ``weight = fp8(W / weight_scale[:, None])``: each row uses the whole
+  E4M3 range, and no weight saturates.
+* Activations: one static scale per Linear input, ``input_scale = amax / 448`` with ``amax`` the
+  largest |x| that Linear saw over the calibration set (fp model). Larger values at serving
+  time saturate (the Fp8Gemm contract).
+"""
+from __future__ import annotations
+
+import torch
+
+from trtc.compiler.quantize.layers import LINEARS, decoder_layers, linear
+from trtc.plugins.fp8_gemm.reference import E4M3_MAX, to_fp8
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> ``(float8_e4m3fn [N, K], weight_scale fp32 [N])``."""
+    w = weight.detach().float()
+    scale = _scale(w.abs().amax(dim=1))
+    return to_fp8(w / scale[:, None]), scale
+
+
+def input_scale(amax: float) -> torch.Tensor:
+    """The per-tensor activation scale (fp32 scalar) for a calibrated ``amax``."""
+    return _scale(torch.tensor(float(amax)))
+
+
+@torch.no_grad()
+def calibrate_input_amax(hf_model, token_batches: list[list[int]], batch_size: int
+                         ) -> dict[str, float]:
+    """``{"model.layers.{i}.{path}": max |input|}`` over the calibration set."""
+    amax: dict[str, float] = {}
+    handles = []
+    for i, layer in enumerate(decoder_layers(hf_model)):
+        for path in LINEARS:
+            name = f"model.layers.{i}.{path}"
+
+            def hook(module, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
+            handles.append(linear(layer, path).register_forward_pre_hook(hook))
+    try:
+        ids = torch.tensor(token_batches, dtype=torch.long)
+        for chunk in ids.split(batch_size):
+            hf_model(input_ids=chunk, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return amax
