@@ -42,6 +42,8 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _check_source(self):
+        if self.lora is not None and not (resolve_path(self.lora) / "adapter_config.json").is_file():
+            raise ValueError(f"lora: {self.lora!r} is not a PEFT adapter directory (no adapter_config.json)")
         if self.source == "tiny":
             if self.name not in TINY_MODELS:
                 raise ValueError(f"name: {self.name!r} is not a tiny model (allowed: {', '.join(TINY_MODELS)})")
@@ -60,8 +62,6 @@ class ModelSection(Section):
             raise ValueError(f"path: GGUF file {self.path!r} does not exist")
         if self.source == "hf" and not (path / "config.json").is_file():
             raise ValueError(f"path: {self.path!r} is not a Hugging Face checkpoint directory (no config.json)")
-        if self.lora is not None and not (resolve_path(self.lora) / "adapter_config.json").is_file():
-            raise ValueError(f"lora: {self.lora!r} is not a PEFT adapter directory (no adapter_config.json)")
         return self
 
 

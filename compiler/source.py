@@ -83,8 +83,10 @@ def load_model(cfg: BuildConfig) -> LoadedModel:
     config = load_hf_config(cfg)
     geometry = geometry_from_config(config)
     max_seq_len(cfg, geometry)
-    if cfg.model.lora is not None:
-        raise ConfigError("model.lora: LoRA merging is not available in this trtc version; remove the key")
+    lora_record = None
+    if cfg.model.lora is not None:        # checked against the config before weights load
+        from trtc.compiler.lora import check_adapter
+        lora_record = check_adapter(resolve_path(cfg.model.lora), config)
     if cfg.model.source == "tiny":
         model = tiny_model(cfg.model.name, cfg.model.seed)
         tokenizer = byte_tokenizer()
@@ -102,6 +104,10 @@ def load_model(cfg: BuildConfig) -> LoadedModel:
                   "sha256": _sha256_files(files, None if path.is_file() else path)}
     if getattr(tokenizer, "chat_template", None) is None:
         source["chat_template"] = False
+    if lora_record is not None:
+        from trtc.compiler.lora import merge_adapter
+        model = merge_adapter(model, resolve_path(cfg.model.lora))
+        source["lora"] = lora_record
     return LoadedModel(model, tokenizer, geometry, source)
 
 
