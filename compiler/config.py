@@ -106,7 +106,8 @@ class CalibrationSection(Section):
 class QuantizationSection(Section):
     method: Literal["none", "rtn", "awq", "gptq", "fp8"] = "none"
     group_size: Literal[32, 64, 128] = 128
-    act_order: bool = Field(False, description="GPTQ: quantize columns in decreasing Hessian diagonal order")
+    act_order: bool = Field(True, description="GPTQ: quantize columns in decreasing Hessian diagonal order "
+                                              "(static groups, so the packed layout stays plain)")
     calibration: CalibrationSection = CalibrationSection()
 
 

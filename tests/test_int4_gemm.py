@@ -30,11 +30,13 @@ def test_pack_unpack_round_trip_and_nibble_order():
 def test_packing_matches_onnx_uint4_bytes():
     from onnx import TensorProto, helper, numpy_helper
     q = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
+    packed = pack_int4(q).flatten()
+    # ONNX packs a UINT4 tensor the same way (its int32_data holds one packed byte each) ...
     tensor = helper.make_tensor("w", TensorProto.UINT4, [3, 8], q.flatten().tolist())
-    onnx_bytes = numpy_helper.to_array(tensor)   # round trip through ONNX's own packing
-    assert torch.equal(torch.from_numpy(onnx_bytes.astype("uint8")), q)
-    packed = helper.pack_float32_to_4bit(q.flatten().numpy(), signed=False)
-    assert bytes(packed) == pack_int4(q).flatten().numpy().tobytes()
+    assert list(tensor.int32_data) == packed.tolist()
+    # ... and reads our bytes, given as raw data, back as the same [N, K] values.
+    raw = helper.make_tensor("w", TensorProto.UINT4, [3, 8], packed.numpy().tobytes(), raw=True)
+    assert torch.equal(torch.from_numpy(numpy_helper.to_array(raw).astype("uint8")), q)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -141,7 +143,7 @@ def test_plugins_emit_one_node_under_onnx_export():
             return self.b(self.a(x))
 
     x = torch.randn(3, 64)
-    program = torch.onnx.export(Two(), (x,), dynamo=True, optimize=False, verbose=False,
+    program = torch.onnx.export(Two().eval(), (x,), dynamo=True, optimize=False, verbose=False,
                                 dynamic_shapes=({0: torch.export.Dim("T")},))
     nodes = {(n.domain, n.op_type): n for n in program.model_proto.graph.node}
     int4, fp8 = nodes[("trtc", "Int4Gemm")], nodes[("trtc", "Fp8Gemm")]

@@ -41,7 +41,9 @@ def quantized_artifacts(tmp_path_factory):
 def reference_model(method: str):
     """transformers' model carrying exactly the artifact's quantized weights."""
     hf = tiny_model(NAME, seed=0)
-    result = quantize_model(hf, byte_tokenizer(), method, 32, None, CALIB["num_samples"], CALIB["seq_len"])
+    q = config(method).quantization          # the build's own settings, defaults included
+    result = quantize_model(hf, byte_tokenizer(), method, q.group_size, None, CALIB["num_samples"],
+                            CALIB["seq_len"], act_order=q.act_order)
     with torch.no_grad():
         for name, w in result.linears.items():
             if method == "fp8":

@@ -76,6 +76,7 @@ class QuantizationResult:
     calibration: CalibrationData | None          # None for rtn
     num_decoder_layers: int
     linears: dict[str, Int4Weights | Fp8Weights] = field(default_factory=dict)
+    algorithm: dict = field(default_factory=dict)   # the method's settings, for the manifest
     seconds: float = 0.0
 
     @property
@@ -92,6 +93,7 @@ class QuantizationResult:
             "weights": "int4 asymmetric, group-wise along K" if self.bits == 4
                        else "fp8 e4m3, per output channel",
             "activations": "fp8 e4m3, per tensor, static" if self.method == "fp8" else "unquantized",
+            "algorithm": dict(self.algorithm),
             "calibration": None if self.calibration is None else self.calibration.record(),
             "num_decoder_layers": self.num_decoder_layers,
             "num_linears_quantized": len(self.linears),
@@ -109,14 +111,17 @@ class QuantizationResult:
 
 def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
                    calibration_path: str | None = None, num_samples: int = 128,
-                   seq_len: int = 512, *, act_order: bool = False, batch_size: int = 8,
+                   seq_len: int = 512, *, act_order: bool = True, fp8_error_feedback: bool = True,
+                   batch_size: int = 8,
                    log: Callable[[str], None] | None = None) -> QuantizationResult:
     """Quantize every q/k/v/o/gate/up/down projection of ``hf_model``.
 
     ``method``: ``rtn`` (no calibration), ``awq``, ``gptq`` (INT4, ``group_size`` 32/64/128,
     which must divide every Linear's in_features) or ``fp8``. Calibration text: the file at
     ``calibration_path`` or the built-in text (see `calibration`), cut into ``num_samples``
-    windows of ``seq_len`` tokens. ``act_order`` applies to GPTQ.
+    windows of ``seq_len`` tokens. ``act_order`` (GPTQ, static groups: the packed layout stays
+    plain) and ``fp8_error_feedback`` (FP8 weights rounded with GPTQ's error feedback) are on
+    by default; see `gptq` and `fp8`. ``batch_size`` sequences run through a layer at once.
 
     Side effects: for ``awq`` the fp weights of ``hf_model`` are modified IN PLACE: the AWQ
     scales are folded into the RMSNorm weights, the v_proj / up_proj output rows and the
@@ -139,10 +144,21 @@ def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
     calib = None if method == "rtn" else calibration_data(tokenizer, calibration_path, num_samples, seq_len)
     result = QuantizationResult(method, None if method == "fp8" else group_size,
                                 act_order and method == "gptq", calib, len(layers))
+    result.algorithm = {
+        "rtn": {"rounding": "nearest", "range": "min/max including 0"},
+        "awq": {"alpha_grid": awq.N_GRID, "objective": "Linear outputs; MLP output for gate/up",
+                "clip_search": True, "fold": "RMSNorm weights, v_proj and up_proj rows"},
+        "gptq": {"percdamp": 0.01, "block_size": gptq.BLOCK_SIZE, "act_order": result.act_order,
+                 "static_groups": result.act_order, "range_search_steps": 50,
+                 "sequential": "layers, then q/k/v, o, gate/up, down"},
+        "fp8": {"format": "e4m3fn", "weight_scale": "amax/448 per output channel",
+                "input_scale": "calibration amax/448 per tensor",
+                "weight_rounding": "gptq error feedback" if fp8_error_feedback else "nearest"},
+    }[method]
     try:
         with torch.no_grad():
             if method == "fp8":
-                _fp8(hf_model, layers, calib, batch_size, result)
+                _fp8(hf_model, layers, calib, batch_size, fp8_error_feedback, say, result)
             else:
                 _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, say, result)
     finally:
@@ -169,8 +185,8 @@ def _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, sa
             quantized = awq.awq_layer(layer, layer_inputs, group_size)
             hidden = next_hidden
         else:
-            quantized, hidden = gptq.gptq_layer(layer, inputs.for_layer(i, hidden), group_size,
-                                                act_order=act_order)
+            quantized, hidden = gptq.gptq_layer(
+                layer, inputs.for_layer(i, hidden), gptq.int4_quantizer(group_size, act_order=act_order))
         for path, (q, scales, zeros) in quantized.items():
             result.linears[f"model.layers.{i}.{path}"] = Int4Weights(
                 pack_int4(q), scales, zeros, _bias(linear(layer, path)), group_size)
@@ -178,12 +194,20 @@ def _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, sa
             say(f"{method}: layer {i + 1}/{len(layers)} in {time.perf_counter() - t0:.1f} s")
 
 
-def _fp8(hf_model, layers, calib, batch_size, result):
+def _fp8(hf_model, layers, calib, batch_size, error_feedback, say, result):
     amax = fp8.calibrate_input_amax(hf_model, calib.batches, batch_size)
+    if error_feedback:
+        inputs = ModelInputs(hf_model, calib.batches, batch_size)
+        hidden = inputs.first.hidden
     for i, layer in enumerate(layers):
-        for path in LINEARS:
+        t0 = time.perf_counter()
+        if error_feedback:
+            quantized, hidden = gptq.gptq_layer(layer, inputs.for_layer(i, hidden), gptq.fp8_quantizer())
+        else:
+            quantized = {p: fp8.quantize_weight_fp8(linear(layer, p).weight) for p in LINEARS}
+        for path, (weight, weight_scale) in quantized.items():
             name = f"model.layers.{i}.{path}"
-            lin = linear(layer, path)
-            weight, weight_scale = fp8.quantize_weight_fp8(lin.weight)
             result.linears[name] = Fp8Weights(weight, weight_scale, fp8.input_scale(amax[name]),
-                                              _bias(lin))
+                                              _bias(linear(layer, path)))
+        if error_feedback:
+            say(f"fp8: layer {i + 1}/{len(layers)} in {time.perf_counter() - t0:.1f} s")

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trtc.compiler.quantize import rtn
@@ -87,21 +88,33 @@ def scale_groups(layer: nn.Module) -> list[_Group]:
     return groups
 
 
-def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weight: torch.Tensor,
-                 group_size: int) -> tuple[torch.Tensor, float, float]:
-    """Best ``s [K]`` for the (concatenated) weight ``[N, K]`` on tokens ``x [M, K]``.
-    Returns ``(s, alpha, loss)``; alpha 0 gives s = 1."""
-    weight = weight.float()
-    ref = x @ weight.T
+def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor],
+                 group_size: int, output=None) -> tuple[torch.Tensor, float, float]:
+    """Best ``s [K]`` for the Linears ``weights`` (each ``[N_i, K]``) reading tokens
+    ``x [M, K]``. ``output(x, weights)`` is what must be preserved (default: the Linears'
+    outputs, concatenated). Returns ``(s, alpha, loss)``; alpha 0 gives s = 1."""
+    output = output or (lambda x, ws: x @ torch.cat(ws).T)
+    weights = [w.float() for w in weights]
+    ref = output(x, weights)
     best = (torch.ones_like(mean_abs), 0.0, math.inf)
     for alpha in torch.linspace(0, 1, N_GRID).tolist():
         s = mean_abs.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        w_q = rtn.fake_quantize(weight * s, group_size) / s
-        loss = (x @ w_q.T - ref).pow(2).mean().item()
+        w_q = [rtn.fake_quantize(w * s, group_size) / s for w in weights]
+        loss = (output(x, w_q) - ref).pow(2).mean().item()
         if loss < best[2]:
             best = (s, alpha, loss)
     return best
+
+
+def _mlp_output(mlp: nn.Module):
+    """gate/up are judged by the MLP's output (through the activation and down_proj), as in
+    the paper's implementation: that is what their errors cost."""
+    def output(x, ws):
+        gate_b, up_b = mlp.gate_proj.bias, mlp.up_proj.bias
+        h = mlp.act_fn(F.linear(x, ws[0], gate_b)) * F.linear(x, ws[1], up_b)
+        return F.linear(h, mlp.down_proj.weight.float(), mlp.down_proj.bias)
+    return output
 
 
 def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -149,7 +162,8 @@ def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
     for group in scale_groups(layer):
         sample = samples[group.paths[0]]
         weights = [linear(layer, p).weight for p in group.paths]
-        s, _, _ = search_scale(sample.tokens, sample.mean_abs, torch.cat(weights), group_size)
+        output = _mlp_output(layer.mlp) if group.paths == INPUT_GROUPS[2] else None
+        s, _, _ = search_scale(sample.tokens, sample.mean_abs, weights, group_size, output)
         _fold(group, [linear(layer, p) for p in group.paths], s)
         sample.rows = [r / s for r in sample.rows]                  # the input the layer now sees
 
