@@ -153,7 +153,8 @@ def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
                  "sequential": "layers, then q/k/v, o, gate/up, down"},
         "fp8": {"format": "e4m3fn", "weight_scale": "amax/448 per output channel",
                 "input_scale": "calibration amax/448 per tensor",
-                "weight_rounding": "gptq error feedback" if fp8_error_feedback else "nearest"},
+                "weight_rounding": "gptq error feedback, percdamp 0.1" if fp8_error_feedback
+                                   else "nearest"},
     }[method]
     try:
         with torch.no_grad():

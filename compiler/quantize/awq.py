@@ -13,8 +13,10 @@ the input by ``s``, folded into the op that produces it:
 
 so the floating point model computes the same function (up to rounding). ``alpha`` is chosen
 per group from a 20-point grid on [0, 1] to minimise the mean squared error of the group's
-outputs (its Linears' outputs, concatenated) with quantized scaled weights against the fp
-outputs, on calibration activations. ``alpha = 0`` is plain RTN, so on the calibration data
+outputs (its Linears' outputs, concatenated; for gate/up the MLP's output, through the
+activation and down_proj, as in the paper's implementation) with quantized scaled weights
+against the fp outputs, on calibration activations (an evenly strided sample of at most 4096
+tokens; ``mean|x|`` uses every token). ``alpha = 0`` is plain RTN, so on the calibration data
 AWQ never does worse than RTN.
 
 Then, as in the paper, a clipping search: per output row and group, the weight range is

@@ -8,6 +8,7 @@ description) — stable for a pinned torch, English prose with some code, and no
 calibration text (pydoc_data.topics).
 
     python -m trtc.compiler.quantize.evaluate [--group-size 64] [--methods rtn,awq,gptq,fp8]
+        [--num-samples 128] [--seq-len 512]
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def load_smollm2():
 def main(argv: list[str] | None = None) -> None:
     from trtc.compiler.quantize.apply import quantize_model
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default="rtn,awq,gptq,gptq-act,fp8")
+    p.add_argument("--methods", default="rtn,awq,gptq,fp8")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--num-samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'fp32':10s} ppl {fp:8.3f}                  eval {time.perf_counter() - t0:6.1f} s", flush=True)
     for method in args.methods.split(","):
         model = copy.deepcopy(base)
-        result = quantize_model(model, tok, method.removesuffix("-act"), args.group_size, None,
-                                args.num_samples, args.seq_len, act_order=method.endswith("-act"))
+        result = quantize_model(model, tok, method, args.group_size, None, args.num_samples,
+                                args.seq_len)
         result.install(model)
         t0 = time.perf_counter()
         ppl = perplexity(model, ids, args.eval_seq_len)

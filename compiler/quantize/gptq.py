@@ -32,7 +32,7 @@ tried shrunk by 1%..50% and the candidate with the least ``sum |w - w'|^2.4`` is
 grid is worth it at 4 bits.
 
 The same error feedback also serves FP8 weights (`gptq_fp8`): the grid is E4M3 with the
-per-channel scale, the loop is unchanged.
+per-channel scale, the loop is unchanged (damping 0.1 there, see its docstring).
 
 `gptq_layer` runs it in the usual sequential way: decoder layer by decoder layer, and inside
 a layer Linear group by Linear group (q/k/v, o, gate/up, down), each one calibrated on the
@@ -155,13 +155,17 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
 
 
 @torch.no_grad()
-def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, *, percdamp: float = 0.01,
+def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, *, percdamp: float = 0.1,
              act_order: bool = True, block_size: int = BLOCK_SIZE
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's error feedback onto the FP8 E4M3 grid: the per-channel scales of
     `fp8.quantize_weight_fp8` (max |w| / 448, from the unmodified weights), each weight rounded
     to E4M3 in turn with the error spread over the columns not yet rounded.
-    Returns ``(float8_e4m3fn [N, K], weight_scale fp32 [N])``."""
+    Returns ``(float8_e4m3fn [N, K], weight_scale fp32 [N])``.
+
+    Damping is 10x INT4's (0.1): on SmolLM2 the E4M3 grid is fine enough that, at 0.01, the
+    compensation fits the calibration text's correlations and carries less over to other
+    text (held-out perplexity +5% vs +2.4% at 0.1)."""
     from trtc.compiler.quantize.fp8 import quantize_weight_fp8
     from trtc.plugins.fp8_gemm.reference import to_fp8
     _, scale = quantize_weight_fp8(weight)
