@@ -58,7 +58,7 @@ def check_group_size(cfg: BuildConfig, hf_config) -> None:
     if bad:
         raise ConfigError(f"quantization.group_size: {gs} does not divide the model's "
                           + ", ".join(f"{k} ({v})" for k, v in bad.items())
-                          + f"; choose one of " + ", ".join(str(c) for c in (32, 64, 128)
+                          + "; choose one of " + ", ".join(str(c) for c in (32, 64, 128)
                                                           if all(v % c == 0 for v in widths.values())))
 
 

@@ -53,7 +53,7 @@ class ModelSection(Section):
         if self.path is None:
             raise ValueError(f"path: required for source {self.source!r}")
         if self.name is not None:
-            raise ValueError(f"name: only used with source 'tiny' (remove it)")
+            raise ValueError("name: only used with source 'tiny' (remove it)")
         try:
             path = resolve_path(self.path)
         except ValueError as e:

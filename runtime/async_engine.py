@@ -8,7 +8,6 @@ import asyncio
 import collections
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 
 from trtc.runtime.engine import LLMEngine, RequestError, RequestOutput
@@ -130,9 +129,3 @@ class AsyncEngine:
             if not finished:
                 self._commands.append(("abort", request_id))
                 self._wake.set()
-
-    def wait_idle(self, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while (self._streams or self.engine.has_unfinished()) and time.monotonic() < end:
-            time.sleep(0.05)
-        return not self._streams

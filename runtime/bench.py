@@ -10,7 +10,7 @@ import random
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from trtc.runtime.sequence import SamplingParams
 
@@ -164,10 +164,6 @@ def run_server(url: str, requests: list[BenchRequest], concurrency: int, rate: f
         if line.startswith("process_resident_memory_bytes "):
             rss = int(float(line.split()[1]))
     return summarize("server", timings, wall, rss)
-
-
-def as_dict(result: dict) -> dict:
-    return json.loads(json.dumps(result, default=lambda o: asdict(o)))
 
 
 def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, device: str) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,7 +89,6 @@ class LLMEngine:
             config.max_num_batched_tokens or limits["max_num_tokens"], eos_token_id=eos,
             long_prefill_threshold=config.long_prefill_threshold)
         self.sampler = Sampler()
-        self.seqs: dict[str, Sequence] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.detok: dict[str, _Detok] = {}
         self._ids = itertools.count()
@@ -145,7 +144,6 @@ class LLMEngine:
             self.scheduler.add(seq)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        self.seqs[request_id] = seq
         self.generators[request_id] = make_generator(params)
         self.detok[request_id] = _Detok(IncrementalDetokenizer(self.tokenizer))
         return request_id
@@ -232,7 +230,6 @@ class LLMEngine:
                             seq.finish_reason, seq.num_cached_prefix_tokens, seq.arrival_time,
                             state.first_token_time, time.monotonic() if finished else None)
         if finished:
-            self.seqs.pop(seq.request_id, None)
             self.generators.pop(seq.request_id, None)
             self.detok.pop(seq.request_id, None)
         return out

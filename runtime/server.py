@@ -222,7 +222,8 @@ def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int =
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "trtc", "max_model_len": engine.max_seq_len}]}
+                                            "owned_by": "trtc", "max_model_len": engine.max_seq_len,
+                                            "vocab_size": engine.manifest["model"]["vocab_size"]}]}
 
     @app.get("/health")
     async def health():

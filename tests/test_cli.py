@@ -176,7 +176,9 @@ def test_rtx_build_records_engines_and_inspect_lists_them(tmp_path):
         assert (out / e["file"]).is_file() and m["files"][e["file"]]["sha256"] == e["sha256"]
     text = run("inspect", str(out)).stdout
     assert "sm86 (cc 8.6)" in text and "sm89 (cc 8.9)" in text and "tensorrt-rtx" in text
-    assert "no: this host has no GPU" in text or "runs on this host" in text
+    import torch
+    if not torch.cuda.is_available():
+        assert text.count("no: this host has no GPU") == 2
 
 
 def test_rtx_refuses_hopper_target_before_work(tmp_path):

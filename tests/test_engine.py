@@ -16,7 +16,7 @@ from trtc.compiler.tiny import tiny_model
 from trtc.runtime.engine import LLM, EngineConfig, LLMEngine, RequestError
 from trtc.runtime.onnx_reference import OnnxReferenceRunner
 from trtc.runtime.sequence import SamplingParams
-from trtc.runtime.step import SequenceWork
+from trtc.runtime.step import SequenceWork, make_step
 from trtc.runtime.torch_executor import TorchExecutor
 
 
@@ -44,7 +44,7 @@ def test_torch_executor_matches_onnxruntime_reference(tiny_artifacts):
     steps = [[SequenceWork(list(range(10, 40)), 0, [3, 7])],
              [SequenceWork([5], 30, [3, 7]), SequenceWork(list(range(50, 70)), 0, [1, 2])]]
     for work in steps:
-        a = torch_exec.execute(__import__("trtc.runtime.step", fromlist=["make_step"]).make_step(work, 16)).numpy()
+        a = torch_exec.execute(make_step(work, 16)).numpy()
         b = ort_exec.step(work)
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     kv_torch = torch_exec.kv_pool[0].numpy()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
-import time
 
 import httpx
 import openai

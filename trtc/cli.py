@@ -230,8 +230,9 @@ def bench(
     try:
         if url:
             import httpx
-            vocab = 32000
-            requests = B.make_requests(num_requests, plen, olen, vocab, seed)
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            model = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]
+            requests = B.make_requests(num_requests, plen, olen, model.get("vocab_size", 32000), seed)
             results.append(B.run_server(url, requests, concurrency, rate, seed, api_key))
         else:
             from trtc.runtime.engine import EngineConfig, LLMEngine

@@ -71,10 +71,6 @@ def weight_layer(node: gs.Node):
     return "final"
 
 
-def mul_operands(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
-    return (node.inputs[0], node.inputs[1]) if node.op == "Mul" else None
-
-
 def other_operand(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     a, b = node.inputs[0], node.inputs[1]
     if a is tensor:
@@ -82,9 +78,3 @@ def other_operand(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
     if b is tensor:
         return a
     return None
-
-
-def redirect(old_output: gs.Tensor, new_node_outputs_owner: gs.Node) -> None:
-    """Make ``old_output`` produced by the new node: detach it from its current producer."""
-    old_output.inputs.clear()
-    new_node_outputs_owner.outputs.append(old_output)

@@ -17,14 +17,6 @@ import onnx_graphsurgeon as gs
 from trtc.compiler.passes.base import PassResult, const_value, producer, weight_layer
 
 
-def _products(sum_node: gs.Node) -> list[set[int]] | None:
-    """For Sub/Add of two Muls: the operand-id pairs of each Mul."""
-    muls = [producer(t, "Mul") for t in sum_node.inputs]
-    if any(m is None for m in muls):
-        return None
-    return [{id(m.inputs[0]), id(m.inputs[1])} for m in muls]
-
-
 def _slice_half(node: gs.Node | None, half: int) -> tuple[gs.Tensor, str] | None:
     if node is None or node.op != "Slice":
         return None
