@@ -67,7 +67,9 @@ class ModelSection(Section):
 
 class KVCacheSection(Section):
     block_size: int = Field(16, description="tokens per KV block, a power of two from 1 to 256")
-    dtype: Literal["auto", "fp16", "bf16", "fp32"] = Field("auto", description="auto = the model precision")
+    dtype: Literal["auto", "fp16", "bf16", "fp32", "fp8"] = Field(
+        "auto", description="auto = the model precision; fp8 = E4M3 with per-layer K and V scales "
+                            "calibrated on quantization.calibration's text (half the bytes of fp16)")
 
     @field_validator("block_size")
     @classmethod
@@ -106,6 +108,9 @@ class CalibrationSection(Section):
 class QuantizationSection(Section):
     method: Literal["none", "rtn", "awq", "gptq", "fp8"] = "none"
     group_size: Literal[32, 64, 128] = 128
+    partial_groups: bool = Field(False, description="INT4: allow a group_size that does not divide a "
+                                                    "Linear's input width; the last group of each row "
+                                                    "is then shorter (scales [N, ceil(K/group_size)])")
     act_order: bool = Field(True, description="GPTQ: quantize columns in decreasing Hessian diagonal order "
                                               "(static groups, so the packed layout stays plain)")
     calibration: CalibrationSection = CalibrationSection()
@@ -144,6 +149,9 @@ class BuildConfig(Section):
             raise ValueError("backend.targets: given but backend.name is 'none' (choose tensorrt-rtx or tensorrt)")
         if self.backend.name != "none" and not self.backend.targets:
             raise ValueError(f"backend.targets: backend {self.backend.name!r} needs at least one target")
+        if self.kv_dtype == "fp8" and self.backend.name == "tensorrt-rtx":
+            raise ValueError("kv_cache.dtype: fp8 is not available with backend tensorrt-rtx (its native "
+                             "KV-cache update has no scaled FP8 form); use fp16/bf16, or backend none/tensorrt")
         fmt = quantization_format(self.quantization.method)
         profiles = architecture_profiles()
         for t in self.backend.targets:

@@ -27,7 +27,8 @@ STEP_INPUTS = {   # name -> (dtype, shape, meaning)
     "logits_indices": ("int64", (NUM_SEQS,), "token whose logits each sequence needs (its last)"),
 }
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                "fp8": torch.float8_e4m3fn}     # fp8: KV cache only (E4M3, scaled per layer)
 NUMPY_DTYPES = {"int64": np.int64, "int32": np.int32}
 
 

@@ -17,7 +17,8 @@ from trtc.compiler.passes.swiglu import OPSET
 from trtc.runtime.step import SequenceWork, make_step
 
 ONNX_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16,
-               "bf16": onnx.TensorProto.BFLOAT16, "int64": onnx.TensorProto.INT64,
+               "bf16": onnx.TensorProto.BFLOAT16, "fp8": onnx.TensorProto.FLOAT8E4M3FN,
+               "int64": onnx.TensorProto.INT64,
                "int32": onnx.TensorProto.INT32}
 
 

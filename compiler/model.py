@@ -44,6 +44,7 @@ class Attention(nn.Module):
     def __init__(self, g: ModelGeometry, sliding_window: int):
         super().__init__()
         self.g, self.sliding_window = g, sliding_window
+        self.kv_scales = (1.0, 1.0)     # (k_scale, v_scale): set for an FP8 KV cache
         self.q_proj = nn.Linear(g.hidden_size, g.num_heads * g.head_dim, bias=g.qkv_bias)
         self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
         self.v_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             q, k, v, kv_cache, step["slot_mapping"], step["block_tables"],
             step["context_lens"], step["query_start_loc"], num_heads=g.num_heads,
             num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, scale=g.head_dim ** -0.5,
-            sliding_window=self.sliding_window)
+            sliding_window=self.sliding_window, k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         return self.o_proj(out), kv_cache
 
 
@@ -140,9 +141,10 @@ def rope_tables(hf_model, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.T
 
 
 def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype,
-            quantized=None) -> StepModel:
+            quantized=None, kv_scales: list[tuple[float, float]] | None = None) -> StepModel:
     """Our step model with ``hf_model``'s weights; ``quantized`` (a `QuantizationResult`) swaps
-    its projections for the plugin Linear modules (names are transformers', as here)."""
+    its projections for the plugin Linear modules (names are transformers', as here);
+    ``kv_scales`` gives each layer's (k_scale, v_scale) for an FP8 KV cache."""
     cos, sin = rope_tables(hf_model, max_seq_len, dtype)
     model = StepModel(g, cos, sin)
     state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
@@ -154,4 +156,6 @@ def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype,
                            f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     if quantized is not None:
         quantized.install(model)
+    for layer, scales in zip(model.model.layers, kv_scales or ()):
+        layer.self_attn.kv_scales = tuple(float(s) for s in scales)
     return model.to(dtype).eval()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from trtc.plugins.paged_attention import paged_attention
 
 ONNX_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 7: torch.int64,
-                 6: torch.int32, 9: torch.bool, 11: torch.float64}
+                 6: torch.int32, 9: torch.bool, 11: torch.float64, 17: torch.float8_e4m3fn}
 
 
 def _gemm(x, attrs):
@@ -107,7 +107,8 @@ def _swiglu(x, attrs):
 def _paged_attention(x, attrs):
     out, cache = paged_attention(*x, num_heads=attrs["num_heads"], num_kv_heads=attrs["num_kv_heads"],
                                  head_dim=attrs["head_dim"], scale=attrs["scale"],
-                                 sliding_window=attrs.get("sliding_window", 0))
+                                 sliding_window=attrs.get("sliding_window", 0),
+                                 k_scale=attrs.get("k_scale", 1.0), v_scale=attrs.get("v_scale", 1.0))
     return [out, cache]
 
 

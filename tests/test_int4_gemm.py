@@ -10,9 +10,10 @@ from trtc.plugins.int4_gemm import SPEC as INT4_SPEC, Int4Linear, int4_gemm, pac
 
 def random_int4(n, k, group, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)                  # a shorter last group when group does not divide k
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(dtype)
-    zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
     return q, scales, zeros
 
 
@@ -39,10 +40,10 @@ def test_packing_matches_onnx_uint4_bytes():
     assert torch.equal(torch.from_numpy(numpy_helper.to_array(raw).astype("uint8")), q)
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group,k", [(32, 256), (64, 256), (128, 256), (128, 320), (64, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_reference_is_the_dense_dequantized_matmul(group, bias):
-    n, k, t = 48, 256, 7
+def test_int4_reference_is_the_dense_dequantized_matmul(group, k, bias):
+    n, t = 48, 7
     q, scales, zeros = random_int4(n, k, group)
     x = torch.randn(t, k)
     b = torch.randn(n) if bias else None
@@ -74,9 +75,12 @@ def test_int4_shape_errors():
     with pytest.raises(ValueError, match="scales"):
         int4_gemm(torch.randn(2, 64), pack_int4(q), scales[:, :1], zeros, group_size=32,
                   in_features=64, out_features=8)
-    with pytest.raises(ValueError, match="group_size"):
-        int4_gemm(torch.randn(2, 64), pack_int4(q), scales, zeros, group_size=48,
+    with pytest.raises(ValueError, match=r"scales has shape \(8, 2\), expected \[8, 3\]"):
+        int4_gemm(torch.randn(2, 64), pack_int4(q), scales, zeros, group_size=24,
                   in_features=64, out_features=8)
+    with pytest.raises(ValueError, match="must be even"):
+        int4_gemm(torch.randn(2, 63), q[:, :32], scales, zeros, group_size=32,
+                  in_features=63, out_features=8)
 
 
 def test_int4_linear_module_keeps_packed_dtypes():

@@ -78,6 +78,47 @@ def test_rtn_error_is_at_most_half_a_step(group):
     assert torch.all(rtn.dequantize(q, scales, zeros, group)[1, :group] == 0)   # zeros stay exact
 
 
+@pytest.mark.parametrize("group,k", [(128, 576), (64, 96), (128, 64)])
+def test_rtn_partial_last_group(group, k):
+    # SmolLM2's width: 576 = 4 x 128 + 64. The last group holds the remaining columns and its
+    # range is its own (a group padded with zeros would have the same range: it holds 0).
+    w = torch.randn(8, k) * 0.05
+    w[:, (k // group) * group:] *= 10                  # the short group has a larger range
+    q, scales, zeros = rtn.quantize_rtn(w, group, partial_groups=True)
+    assert q.shape == (8, k) and scales.shape == zeros.shape == (8, -(-k // group))
+    last = w[:, (k // group) * group:]
+    span = last.amax(1).clamp(min=0) - last.amin(1).clamp(max=0)
+    torch.testing.assert_close(scales[:, -1], span / 15)
+    err = (rtn.dequantize(q, scales, zeros, group) - w).abs()
+    bound = scales.repeat_interleave(group, 1)[:, :k] / 2
+    assert torch.all(err <= bound * (1 + 1e-5) + 1e-7)
+    with pytest.raises(ValueError, match="not a multiple of group_size.*partial_groups"):
+        rtn.quantize_rtn(w, group) if k % group else rtn.quantize_rtn(w[:, :-2], group)
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+def test_partial_groups_quantize_every_linear(tok, method):
+    # hidden 64 and intermediate 160 with group 128: every Linear has one shorter group.
+    model = outlier_model("tiny-qwen2")
+    ids = torch.tensor(calibration_token_batches(tok, None, 4, 64))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+
+    def logits_mse(method):
+        m = copy.deepcopy(model)
+        result = quantize_model(m, tok, method, 128, partial_groups=True, **CALIB)
+        w = result.linears["model.layers.0.mlp.down_proj"]
+        assert w.scales.shape == w.zeros.shape == (64, 2)             # ceil(160 / 128)
+        assert result.record()["partial_groups"] is True
+        result.install(m)
+        with torch.no_grad():
+            return ((m(input_ids=ids).logits - ref) ** 2).mean().item()
+
+    err = logits_mse(method)
+    if method != "rtn":
+        assert err < logits_mse("rtn")
+
+
 def test_rtn_model_leaves_weights_and_packs_all_linears(tok):
     model = tiny_model("tiny-llama", 0)
     before = copy.deepcopy(model.state_dict())

@@ -5,6 +5,7 @@ weights (dequantized into its Linear layers for INT4; the FP8 reference layers f
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -38,12 +39,12 @@ def quantized_artifacts(tmp_path_factory):
     return {m: build_quiet(config(m), root / m) for m in ("rtn", "awq", "gptq", "fp8")}
 
 
-def reference_model(method: str):
+def reference_model(method: str, **extra):
     """transformers' model carrying exactly the artifact's quantized weights."""
     hf = tiny_model(NAME, seed=0)
-    q = config(method).quantization          # the build's own settings, defaults included
+    q = config(method, **extra).quantization          # the build's own settings, defaults included
     result = quantize_model(hf, byte_tokenizer(), method, q.group_size, None, CALIB["num_samples"],
-                            CALIB["seq_len"], act_order=q.act_order)
+                            CALIB["seq_len"], act_order=q.act_order, partial_groups=q.partial_groups)
     with torch.no_grad():
         for name, w in result.linears.items():
             if method == "fp8":
@@ -72,10 +73,8 @@ def test_every_projection_is_a_plugin_node(quantized_artifacts, method, op):
     assert any(p["op_type"] == op for p in m["plugins"])
 
 
-@pytest.mark.parametrize("method", ["rtn", "awq", "gptq", "fp8"])
-def test_compiled_graph_matches_transformers_with_same_weights(quantized_artifacts, method):
-    hf = reference_model(method)
-    ex = TorchExecutor(quantized_artifacts[method], num_blocks=16)
+def check_matches_transformers(hf, art):
+    ex = TorchExecutor(art, num_blocks=16)
     prompt = list(range(7, 47))
     logits = ex.execute(make_step([SequenceWork(prompt, 0, [3, 5, 8])], 16))
     seq = prompt
@@ -87,6 +86,23 @@ def test_compiled_graph_matches_transformers_with_same_weights(quantized_artifac
         assert int(logits[0].argmax()) == token
         seq = seq + [token]
         logits = ex.execute(make_step([SequenceWork([token], len(seq) - 1, [3, 5, 8])], 16))
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq", "fp8"])
+def test_compiled_graph_matches_transformers_with_same_weights(quantized_artifacts, method):
+    check_matches_transformers(reference_model(method), quantized_artifacts[method])
+
+
+def test_partial_groups_build(tmp_path):
+    # Group 128 on widths 64 and 160: every row's last group is shorter, as in SmolLM2 (576).
+    extra = {"group_size": 128, "partial_groups": True}
+    art = build_quiet(config("gptq", **extra), tmp_path / "gptq-g128")
+    model = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "Int4Gemm"]
+    assert len(nodes) == 4 * 2 and all(a.i == 128 for n in nodes for a in n.attribute if a.name == "group_size")
+    q = json.loads((art / "manifest.json").read_text())["quantization"]
+    assert q["group_size"] == 128 and q["partial_groups"] is True
+    check_matches_transformers(reference_model("gptq", **extra), art)
 
 
 def test_quantized_artifact_generates_like_transformers(quantized_artifacts):
@@ -113,12 +129,14 @@ def test_eval_command_reports_perplexity(quantized_artifacts, tmp_path):
 
 
 @pytest.mark.parametrize("extra,expect", [
-    ({"group_size": 128}, "quantization.group_size: 128 does not divide"),
+    ({"group_size": 128}, "quantization.group_size: 128 does not divide the model's hidden_size (64), "
+                          "intermediate_size (160), num_attention_heads * head_dim (64); choose 32, or "
+                          "set quantization.partial_groups: true"),
     ({"calibration": {"path": "/nonexistent/calib.txt"}}, "calibration file '/nonexistent/calib.txt' does not exist"),
 ])
 def test_bad_quantization_settings_fail_before_work(tmp_path, extra, expect):
     from trtc.compiler.errors import ConfigError
-    with pytest.raises(ConfigError, match=expect.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(expect)):
         cfg = parse_config({"model": {"source": "tiny", "name": NAME}, "precision": "fp32",
                             "quantization": {"method": "awq", **extra}})
         build_quiet(cfg, tmp_path / "out")

@@ -27,8 +27,8 @@ METHODS = ("rtn", "awq", "gptq", "fp8")
 class Int4Weights:
     """Inputs of one `trtc::Int4Gemm` node (scales fp32 here: cast to the model dtype)."""
     qweight: torch.Tensor           # uint8 [N, K/2], low nibble = even k
-    scales: torch.Tensor            # fp32 [N, K/g]
-    zeros: torch.Tensor             # uint8 [N, K/g], 0..15
+    scales: torch.Tensor            # fp32 [N, ceil(K/g)]
+    zeros: torch.Tensor             # uint8 [N, ceil(K/g)], 0..15
     bias: torch.Tensor | None       # [N] or None
     group_size: int
 
@@ -73,6 +73,7 @@ class QuantizationResult:
     method: str
     group_size: int | None                       # None for fp8
     act_order: bool
+    partial_groups: bool
     calibration: CalibrationData | None          # None for rtn
     num_decoder_layers: int
     linears: dict[str, Int4Weights | Fp8Weights] = field(default_factory=dict)
@@ -89,7 +90,7 @@ class QuantizationResult:
         after = sum(w.nbytes() for w in self.linears.values())
         return {
             "method": self.method, "bits": self.bits, "group_size": self.group_size,
-            "act_order": self.act_order,
+            "partial_groups": self.partial_groups, "act_order": self.act_order,
             "weights": "int4 asymmetric, group-wise along K" if self.bits == 4
                        else "fp8 e4m3, per output channel",
             "activations": "fp8 e4m3, per tensor, static" if self.method == "fp8" else "unquantized",
@@ -111,13 +112,14 @@ class QuantizationResult:
 
 def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
                    calibration_path: str | None = None, num_samples: int = 128,
-                   seq_len: int = 512, *, act_order: bool = True, fp8_error_feedback: bool = True,
-                   batch_size: int = 8,
+                   seq_len: int = 512, *, act_order: bool = True, partial_groups: bool = False,
+                   fp8_error_feedback: bool = True, batch_size: int = 8,
                    log: Callable[[str], None] | None = None) -> QuantizationResult:
     """Quantize every q/k/v/o/gate/up/down projection of ``hf_model``.
 
     ``method``: ``rtn`` (no calibration), ``awq``, ``gptq`` (INT4, ``group_size`` 32/64/128,
-    which must divide every Linear's in_features) or ``fp8``. Calibration text: the file at
+    which must divide every Linear's in_features unless ``partial_groups`` lets the last group
+    of a row be shorter) or ``fp8``. Calibration text: the file at
     ``calibration_path`` or the built-in text (see `calibration`), cut into ``num_samples``
     windows of ``seq_len`` tokens. ``act_order`` (GPTQ, static groups: the packed layout stays
     plain) and ``fp8_error_feedback`` (FP8 weights rounded with GPTQ's error feedback) are on
@@ -137,13 +139,14 @@ def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
         for i, layer in enumerate(layers):
             for path in LINEARS:
                 rtn.check_group_size(f"model.layers.{i}.{path}", linear(layer, path).in_features,
-                                     group_size)
+                                     group_size, partial_groups)
     start = time.perf_counter()
     was_training = hf_model.training
     hf_model.eval()
     calib = None if method == "rtn" else calibration_data(tokenizer, calibration_path, num_samples, seq_len)
-    result = QuantizationResult(method, None if method == "fp8" else group_size,
-                                act_order and method == "gptq", calib, len(layers))
+    int4 = method != "fp8"
+    result = QuantizationResult(method, group_size if int4 else None, act_order and method == "gptq",
+                                partial_groups and int4, calib, len(layers))
     result.algorithm = {
         "rtn": {"rounding": "nearest", "range": "min/max including 0"},
         "awq": {"alpha_grid": awq.N_GRID, "objective": "Linear outputs; MLP output for gate/up",
@@ -161,7 +164,8 @@ def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
             if method == "fp8":
                 _fp8(hf_model, layers, calib, batch_size, fp8_error_feedback, say, result)
             else:
-                _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, say, result)
+                _int4(hf_model, layers, method, group_size, calib, batch_size, act_order,
+                      partial_groups, say, result)
     finally:
         hf_model.train(was_training)
     result.seconds = time.perf_counter() - start
@@ -173,21 +177,24 @@ def _bias(lin: nn.Linear) -> torch.Tensor | None:
     return None if lin.bias is None else lin.bias.detach().float().clone()
 
 
-def _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, say, result):
+def _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, partial_groups,
+          say, result):
     inputs = None if calib is None else ModelInputs(hf_model, calib.batches, batch_size)
     hidden = None if inputs is None else inputs.first.hidden
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
         if method == "rtn":
-            quantized = {p: rtn.quantize_rtn(linear(layer, p).weight, group_size, p) for p in LINEARS}
+            quantized = {p: rtn.quantize_rtn(linear(layer, p).weight, group_size, p,
+                                             partial_groups=partial_groups) for p in LINEARS}
         elif method == "awq":
             layer_inputs = inputs.for_layer(i, hidden)
             next_hidden = run_layer(layer, layer_inputs)
-            quantized = awq.awq_layer(layer, layer_inputs, group_size)
+            quantized = awq.awq_layer(layer, layer_inputs, group_size, partial_groups=partial_groups)
             hidden = next_hidden
         else:
             quantized, hidden = gptq.gptq_layer(
-                layer, inputs.for_layer(i, hidden), gptq.int4_quantizer(group_size, act_order=act_order))
+                layer, inputs.for_layer(i, hidden),
+                gptq.int4_quantizer(group_size, act_order=act_order, partial_groups=partial_groups))
         for path, (q, scales, zeros) in quantized.items():
             result.linears[f"model.layers.{i}.{path}"] = Int4Weights(
                 pack_int4(q), scales, zeros, _bias(linear(layer, path)), group_size)

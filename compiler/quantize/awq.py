@@ -38,6 +38,7 @@ from torch import nn
 
 from trtc.compiler.quantize import rtn
 from trtc.compiler.quantize.layers import INPUT_GROUPS, LayerInputs, capture_inputs, linear
+from trtc.plugins.int4_gemm.reference import per_column
 
 N_GRID = 20            # alpha grid points on [0, 1]
 CLIP_GRID = 20         # clipping ratios 1 - i/CLIP_GRID ...
@@ -123,11 +124,13 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int,
                 rows_per_batch: int = 256) -> torch.Tensor:
     """Per output row and group, the clipping bound ``[N, K/g]`` (a shrunk max|w|) that best
     keeps that group's contribution ``x_group @ w_group`` on tokens ``x [M, K]``."""
+    # Zero columns pad a shorter last group: they add nothing to any product.
+    x, weight = rtn.pad_to_groups(x.float(), group_size), rtn.pad_to_groups(weight.float(), group_size)
     n, k = weight.shape
     g = k // group_size
-    xg = x.float().reshape(-1, g, group_size).transpose(0, 1)              # [G, M, gs]
+    xg = x.reshape(-1, g, group_size).transpose(0, 1)                      # [G, M, gs]
     bounds = []
-    for w in weight.float().split(rows_per_batch):
+    for w in weight.split(rows_per_batch):
         wg = w.reshape(-1, g, group_size)                                  # [n, G, gs]
         org_max = wg.abs().amax(-1)                                        # [n, G]
         ref = xg @ wg.permute(1, 2, 0)                                     # [G, M, n]
@@ -145,15 +148,15 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int,
 
 
 def clip(weight: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.Tensor:
-    n, k = weight.shape
-    b = bounds.repeat_interleave(group_size, dim=1)
+    b = per_column(bounds, group_size, weight.shape[1])
     return torch.maximum(torch.minimum(weight.float(), b), -b)
 
 
 @torch.no_grad()
 def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
               max_search_tokens: int = 4096, max_clip_tokens: int = 1024,
-              clip_search: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+              clip_search: bool = True, partial_groups: bool = False
+              ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Scale-search, fold (in place, on the fp layer) and clip-search one decoder layer.
     Returns ``{path: (q uint8 [N, K], scales fp32, zeros uint8)}`` for its seven Linears."""
     samples = {paths[0]: ActivationSample(inputs.num_tokens, max_search_tokens)
@@ -178,7 +181,7 @@ def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
             w = linear(layer, path).weight.float()
             if clip_search and path not in NO_CLIP:
                 w = clip(w, search_clip(x, w, group_size), group_size)
-            result[path] = rtn.quantize_rtn(w, group_size, path)
+            result[path] = rtn.quantize_rtn(w, group_size, path, partial_groups=partial_groups)
     return result
 
 

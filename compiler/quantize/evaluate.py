@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.methods.split(","):
         model = copy.deepcopy(base)
         result = quantize_model(model, tok, method, args.group_size, None, args.num_samples,
-                                args.seq_len)
+                                args.seq_len, partial_groups=True)
         result.install(model)
         t0 = time.perf_counter()
         ppl = perplexity(model, ids, args.eval_seq_len)

@@ -120,22 +120,24 @@ def _error_feedback(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, *,
                   percdamp: float = 0.01, act_order: bool = True, shrink_steps: int = 50,
-                  block_size: int = BLOCK_SIZE, name: str = "weight"
+                  block_size: int = BLOCK_SIZE, name: str = "weight", partial_groups: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight [N, K]``, ``hessian [K, K]`` -> ``(q uint8 [N, K], scales fp32 [N, K/g],
-    zeros uint8 [N, K/g])`` in the plain group layout, original column order.
+    """``weight [N, K]``, ``hessian [K, K]`` -> ``(q uint8 [N, K], scales fp32 [N, G],
+    zeros uint8 [N, G])`` in the plain group layout, original column order,
+    ``G = ceil(K / group_size)`` (a shorter last group with ``partial_groups``).
 
     ``shrink_steps``: the range search of each group's scale/zero (`rtn.group_params`)."""
     n, k = weight.shape
-    rtn.check_group_size(name, k, group_size)
+    rtn.check_group_size(name, k, group_size, partial_groups)
     if block_size % group_size:
         raise ValueError(f"GPTQ block size {block_size} is not a multiple of group_size {group_size}")
-    num_groups = k // group_size
+    num_groups = -(-k // group_size)
     scales = torch.zeros(n, num_groups)
     zeros = torch.zeros(n, num_groups)
     if act_order:       # static groups, from the unmodified weights
         w0 = weight.detach().float().clone()
         w0[:, torch.diag(hessian) == 0] = 0.0
+        w0 = rtn.pad_to_groups(w0, group_size)
         scales[:], zeros[:] = rtn.group_params(w0.reshape(n, num_groups, group_size), shrink_steps)
     w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
     group_of = (perm // group_size).tolist()            # group of each processed column

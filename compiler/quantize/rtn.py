@@ -11,20 +11,35 @@ For each output row ``n`` and group ``j`` of ``group_size`` consecutive input co
 
 Scales are returned in fp32; the artifact stores them in the model dtype (the Int4Gemm
 contract), a relative change of at most 2^-11 for fp16.
+
+With ``partial_groups`` a ``group_size`` that does not divide K is allowed: the last group of
+each row holds the ``K % group_size`` remaining columns (the Int4Gemm rule). The searches here
+work on rows zero-padded to whole groups (`pad_to_groups`): a zero weight changes neither a
+group's range (which always holds 0) nor, quantized exactly to the zero point, any error sum.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from trtc.plugins.int4_gemm.reference import dequantize_unpacked, num_groups
 
 MAXQ = 15
 
 
-def check_group_size(name: str, in_features: int, group_size: int) -> None:
-    if group_size <= 0 or in_features % group_size:
+def check_group_size(name: str, in_features: int, group_size: int, partial_groups: bool = False) -> None:
+    if group_size <= 0 or (in_features % group_size and not partial_groups):
         raise ValueError(f"{name}: in_features {in_features} is not a multiple of group_size "
-                         f"{group_size}; choose a group_size that divides it")
+                         f"{group_size}; choose a group_size that divides it, or allow a shorter "
+                         f"last group (partial_groups)")
     if in_features % 2:
         raise ValueError(f"{name}: in_features {in_features} is odd; INT4 packs two columns a byte")
+
+
+def pad_to_groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[..., K]`` -> ``[..., G * group_size]``, zero columns appended (none when g divides K)."""
+    k = t.shape[-1]
+    return F.pad(t, (0, num_groups(k, group_size) * group_size - k))
 
 
 def _range_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,25 +80,22 @@ def quantize_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, MAXQ)
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int, name: str = "weight"
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` -> ``(q uint8 [N, K] 0..15, scales fp32 [N, K/g], zeros uint8 [N, K/g])``."""
+def quantize_rtn(weight: torch.Tensor, group_size: int, name: str = "weight", *,
+                 partial_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> ``(q uint8 [N, K] 0..15, scales fp32 [N, G], zeros uint8 [N, G])``,
+    ``G = ceil(K / group_size)``."""
     n, k = weight.shape
-    check_group_size(name, k, group_size)
-    groups = weight.float().reshape(n, k // group_size, group_size)
+    check_group_size(name, k, group_size, partial_groups)
+    groups = pad_to_groups(weight.float(), group_size).reshape(n, -1, group_size)
     scale, zero = group_params(groups)
     q = quantize_with(groups, scale[..., None], zero[..., None])
-    return q.reshape(n, k).to(torch.uint8), scale, zero.to(torch.uint8)
+    return q.reshape(n, -1)[:, :k].to(torch.uint8), scale, zero.to(torch.uint8)
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """Unpacked ``q [N, K]`` back to fp32 weights (the Int4Gemm formula)."""
-    scale = scales.float().repeat_interleave(group_size, dim=-1)
-    zero = zeros.float().repeat_interleave(group_size, dim=-1)
-    return (q.float() - zero) * scale
+# Unpacked ``q [N, K]`` back to fp32 weights: the Int4Gemm formula, from its one definition.
+dequantize = dequantize_unpacked
 
 
 def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RTN round trip in fp32 (used inside the AWQ searches)."""
-    return dequantize(*quantize_rtn(weight, group_size), group_size)
+    """RTN round trip in fp32 (used inside the AWQ searches; any K)."""
+    return dequantize(*quantize_rtn(weight, group_size, partial_groups=True), group_size)

@@ -12,12 +12,13 @@ Inputs
   the HIGH nibble the odd ``k``. This is byte for byte the layout of an ONNX ``UINT4`` tensor
   of shape ``[N, K]`` (row-major, first element in the low nibble), so a DequantizeLinear
   lowering reuses these bytes unchanged.
-* ``scales``: ``[N, K/group_size]``, in x's dtype.
-* ``zeros``: uint8 ``[N, K/group_size]``, one zero point (0..15) per byte, not packed.
+* ``scales``: ``[N, G]``, in x's dtype, ``G = ceil(K / group_size)``.
+* ``zeros``: uint8 ``[N, G]``, one zero point (0..15) per byte, not packed.
 * ``bias``: optional ``[N]`` (absent from the node when the layer has none).
 
-Attributes ``group_size`` (divides K; 32, 64 or 128 in practice), ``in_features`` (K, even),
-``out_features`` (N).
+Attributes ``group_size`` (32, 64 or 128 in practice), ``in_features`` (K, even),
+``out_features`` (N). When ``group_size`` does not divide K, the last group of each row is
+shorter (``K % group_size`` columns), the rule of ONNX's blocked DequantizeLinear.
 
 Semantics, computed in fp32 and returned in x's dtype::
 
@@ -51,23 +52,38 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
+def num_groups(in_features: int, group_size: int) -> int:
+    """Groups per row: ``ceil(K / group_size)`` (the last one may be shorter)."""
+    return -(-in_features // group_size)
+
+
+def per_column(groups: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """``[..., G]`` per-group values -> ``[..., K]``: column k takes group ``k // group_size``."""
+    return groups.repeat_interleave(group_size, dim=-1)[..., :in_features]
+
+
+def dequantize_unpacked(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    """fp32 ``W [N, K]`` from unpacked values ``q [N, K]`` (0..15) and their groups' scales/zeros."""
+    k = q.shape[-1]
+    return (q.float() - per_column(zeros.float(), group_size, k)) * per_column(scales.float(), group_size, k)
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int) -> torch.Tensor:
     """The fp32 weight ``W [N, K]`` that the packed tensors stand for."""
-    q = unpack_int4(qweight).float()
-    scale = scales.float().repeat_interleave(group_size, dim=-1)
-    zero = zeros.float().repeat_interleave(group_size, dim=-1)
-    return (q - zero) * scale
+    return dequantize_unpacked(unpack_int4(qweight), scales, zeros, group_size)
 
 
 def check_shapes(x, qweight, scales, zeros, bias, group_size: int, in_features: int,
                  out_features: int) -> None:
     k, n = in_features, out_features
-    if k % 2 or group_size <= 0 or k % group_size:
-        raise ValueError(f"Int4Gemm: in_features {k} must be even and a multiple of "
-                         f"group_size {group_size}")
+    if k % 2 or group_size <= 0:
+        raise ValueError(f"Int4Gemm: in_features {k} must be even and group_size {group_size} "
+                         f"positive")
+    g = num_groups(k, group_size)
     expected = {"x": (x, (k,)), "qweight": (qweight, (n, k // 2)),
-                "scales": (scales, (n, k // group_size)), "zeros": (zeros, (n, k // group_size))}
+                "scales": (scales, (n, g)), "zeros": (zeros, (n, g))}
     if bias is not None:
         expected["bias"] = (bias, (n,))
     for name, (t, shape) in expected.items():

@@ -23,10 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.plugins.paged_attention.reference import check_scales
+
 
 @triton.jit
-def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride,
-              ROW: tl.constexpr, ROW_P2: tl.constexpr):
+def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride, k_scale, v_scale,
+              ROW: tl.constexpr, ROW_P2: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
@@ -34,6 +36,9 @@ def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride,
         mask = cols < ROW
         k = tl.load(key_ptr + token * ROW + cols, mask=mask)
         v = tl.load(value_ptr + token * ROW + cols, mask=mask)
+        if FP8:     # the reference's to_cache: scale, saturate, round to nearest E4M3
+            k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+            v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
         dst = cache_ptr + slot.to(tl.int64) * ROW + cols
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -59,7 +64,7 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
 def _paged_attention(
     q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_seqs, max_blocks, cache_kv_stride, scale, sliding_window,
+    num_seqs, max_blocks, cache_kv_stride, scale, v_scale, sliding_window,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_Q: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -112,8 +117,9 @@ def _paged_attention(
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         addr = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_ptr + addr, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * scale
+        # In the query's dtype: exact for an FP8 cache (every E4M3 value is an fp16/bf16 value).
+        k = tl.load(cache_ptr + addr, mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = pos_ok[None, :] & (pos[None, :] <= row_pos[:, None])
         if sliding_window > 0:
             visible &= pos[None, :] > row_pos[:, None] - sliding_window
@@ -123,10 +129,11 @@ def _paged_attention(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m_i = m_new
 
+    acc = acc * v_scale                                         # an FP8 cache's V scale (else 1)
     out_rows = row_token[:, None] * NUM_HEADS + row_head[:, None]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -179,16 +186,20 @@ def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms:
 
 def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
                     query_start_loc, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                    scale: float, sliding_window: int = 0, tile_k: int = 64, num_splits: int | None = None,
-                    num_warps: int = 4, num_stages: int = 2):
-    """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place."""
+                    scale: float, sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+                    tile_k: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place.
+    An FP8 cache is read as E4M3 values converted to the query dtype (exact: every E4M3 value is
+    an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output."""
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    check_scales(kv_cache.dtype, k_scale, v_scale)
     num_tokens = query.shape[0]
     num_seqs = context_lens.shape[0]
     block_size = kv_cache.shape[2]
     row = num_kv_heads * head_dim
     cache_kv_stride = kv_cache.stride(0)
     _write_kv[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping, cache_kv_stride,
-                             ROW=row, ROW_P2=_pow2(row))
+                             k_scale, v_scale, ROW=row, ROW_P2=_pow2(row), FP8=fp8)
     p = plan(num_tokens, num_seqs, num_heads, num_kv_heads)
     splits = num_splits or p["splits"]
     out = torch.empty_like(query)
@@ -201,7 +212,7 @@ def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, con
     grid = (p["tiles"], num_kv_heads, splits)
     _paged_attention[grid](
         query.contiguous(), kv_cache, out, part_acc, part_ml, block_tables, context_lens, query_start_loc,
-        num_seqs, block_tables.shape[1], cache_kv_stride, scale, sliding_window,
+        num_seqs, block_tables.shape[1], cache_kv_stride, scale * k_scale, v_scale, sliding_window,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=block_size, TILE_Q=p["tile_q"],
         TILE_M=p["tile_m"], TILE_K=tile_k, NUM_SPLITS=splits,
