@@ -22,7 +22,7 @@ from trtc.compiler.source import load_hf_config, load_model, max_seq_len
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import DOMAIN
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
 def check_buildable(cfg: BuildConfig) -> None:
@@ -34,16 +34,12 @@ def check_buildable(cfg: BuildConfig) -> None:
         except BuildError as e:          # not installed: a setup problem, said before any work
             raise ConfigError(f"backend.name: {e}") from None
     if cfg.backend.name == "tensorrt":
+        from trtc.compiler.backends.tensorrt_full import check_targets, import_trt
         try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "backend.name: 'tensorrt' needs full TensorRT >= 10 with its Python bindings, which "
-                "this machine does not have (install it from NVIDIA's package index on a machine with "
-                "the target GPU: pip install tensorrt-cu12, or tensorrt-cu13); to build engines "
-                "without a GPU use backend tensorrt-rtx") from None
-        raise ConfigError(f"backend.name: engine builds with 'tensorrt' are not available in trtc "
-                          f"{trtc.__version__} yet (available: none, tensorrt-rtx)")
+            import_trt()
+        except BuildError as e:          # not installed: a setup problem, said before any work
+            raise ConfigError(f"backend.name: {e}") from None
+        check_targets(cfg.backend.targets, cfg.backend.hardware_compatibility)
 
 
 def check_group_size(cfg: BuildConfig, hf_config) -> None:
@@ -55,20 +51,45 @@ def check_group_size(cfg: BuildConfig, hf_config) -> None:
               "num_attention_heads * head_dim": hf_config.num_attention_heads * (
                   getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)}
     bad = {k: v for k, v in widths.items() if v % gs}
-    if bad:
+    if bad and not cfg.quantization.partial_groups:
+        dividing = [str(c) for c in (32, 64, 128) if all(v % c == 0 for v in widths.values())]
         raise ConfigError(f"quantization.group_size: {gs} does not divide the model's "
                           + ", ".join(f"{k} ({v})" for k, v in bad.items())
-                          + "; choose one of " + ", ".join(str(c) for c in (32, 64, 128)
-                                                          if all(v % c == 0 for v in widths.values())))
+                          + (f"; choose {' or '.join(dividing)}" if dividing else "")
+                          + ", or set quantization.partial_groups: true to let the last group of "
+                          "each row be shorter ("
+                          + ", ".join(f"{v} % {gs} = {v % gs} columns" for v in sorted(set(bad.values())))
+                          + ")")
+    odd = {k: v for k, v in widths.items() if v % 2}
+    if odd:
+        raise ConfigError("quantization.method: INT4 packs two input columns a byte, and the model's "
+                          + ", ".join(f"{k} ({v})" for k, v in odd.items()) + " is odd; use fp8 or none")
 
 
-def kv_cache_record(cfg: BuildConfig, g) -> dict:
+def kv_cache_record(cfg: BuildConfig, g, kv_scales: dict | None = None) -> dict:
     bytes_per_token = 2 * g.num_layers * g.num_kv_heads * g.head_dim * DTYPE_BYTES[cfg.kv_dtype]
-    return {"layout": "paged", "block_size": cfg.kv_cache.block_size, "dtype": cfg.kv_dtype,
-            "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-            "pool_shape": ["layers", 2, "num_blocks", cfg.kv_cache.block_size, g.num_kv_heads, g.head_dim],
-            "bytes_per_token": bytes_per_token,
-            "bytes_per_block": bytes_per_token * cfg.kv_cache.block_size}
+    record = {"layout": "paged", "block_size": cfg.kv_cache.block_size, "dtype": cfg.kv_dtype,
+              "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+              "pool_shape": ["layers", 2, "num_blocks", cfg.kv_cache.block_size, g.num_kv_heads, g.head_dim],
+              "bytes_per_token": bytes_per_token,
+              "bytes_per_block": bytes_per_token * cfg.kv_cache.block_size}
+    if kv_scales is not None:
+        record["scales"] = kv_scales
+    return record
+
+
+def calibrate_kv_cache(cfg: BuildConfig, loaded) -> dict:
+    """Per-layer FP8 KV-cache scales on the calibration text (see quantize/kv_cache.py), and the
+    manifest record of how they were found."""
+    from trtc.compiler.quantize.calibration import calibration_data
+    from trtc.compiler.quantize.kv_cache import HEADROOM, calibrate_kv_scales
+    c = cfg.quantization.calibration
+    data = calibration_data(loaded.tokenizer, c.path, c.num_samples, c.seq_len)
+    scales = calibrate_kv_scales(loaded.hf_model, data.batches, loaded.geometry.head_dim)
+    return {"format": "e4m3fn, stored = fp8(x / scale), one scale per layer for K and for V",
+            "rule": f"scale = {HEADROOM:g} * amax / 448 (K: amax of rotary pair norms)",
+            "calibration": data.record(),
+            "k": [k for k, _ in scales], "v": [v for _, v in scales]}
 
 
 def graph_record(model: onnx.ModelProto) -> dict:
@@ -148,13 +169,21 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
                 from trtc.compiler.quantize.apply import quantize_model
                 quantized = quantize_model(
                     loaded.hf_model, loaded.tokenizer, q.method, q.group_size, q.calibration.path,
-                    q.calibration.num_samples, q.calibration.seq_len, act_order=q.act_order)
+                    q.calibration.num_samples, q.calibration.seq_len, act_order=q.act_order,
+                    partial_groups=q.partial_groups)
                 rec = quantized.record()
                 done["detail"] = (f"{rec['num_linears_quantized']} linears, "
                                   f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "
                                   f"{rec['linear_weight_bytes_quantized'] / 1e6:.0f} MB")
+        kv_scales = None
+        if cfg.kv_dtype == "fp8":
+            with progress.stage("kv scales", "calibrating the FP8 KV cache") as done:
+                kv_scales = calibrate_kv_cache(cfg, loaded)
+                done["detail"] = (f"k_scale {min(kv_scales['k']):.3g}..{max(kv_scales['k']):.3g}, "
+                                  f"v_scale {min(kv_scales['v']):.3g}..{max(kv_scales['v']):.3g}")
         with progress.stage("convert", "building the step model") as done:
-            model = from_hf(loaded.hf_model, g, seq_len, contract.TORCH_DTYPES[cfg.precision], quantized)
+            model = from_hf(loaded.hf_model, g, seq_len, contract.TORCH_DTYPES[cfg.precision], quantized,
+                            None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])))
             del loaded.hf_model
             n_params = sum(p.numel() for p in model.parameters())
             done["detail"] = (f"{g.architecture}, {g.num_layers} layers, {n_params / 1e6:.1f}M "
@@ -181,7 +210,7 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
                 "precision": cfg.precision,
                 "limits": {"max_num_tokens": cfg.limits.max_num_tokens,
                            "max_num_seqs": cfg.limits.max_num_seqs, "max_seq_len": seq_len},
-                "kv_cache": kv_cache_record(cfg, g),
+                "kv_cache": kv_cache_record(cfg, g, kv_scales),
                 "quantization": quantized.record() if quantized else {"method": "none"},
                 "io": contract.io_manifest(g.num_layers, g.num_kv_heads, g.head_dim,
                                            cfg.kv_cache.block_size, cfg.kv_dtype, g.vocab_size),
@@ -203,6 +232,10 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
             # From what was written: saving moved the weights out of `proto` into model.onnx.data.
             written = onnx.load(str(staging / artifact.MODEL_FILE))
             manifest["engines"] = build_rtx(written, manifest, cfg, staging, progress)
+        if cfg.backend.name == "tensorrt":
+            from trtc.compiler.backends.tensorrt_full import build_tensorrt
+            manifest["engines"] = build_tensorrt(staging, manifest, cfg, progress,
+                                                 cfg.backend.hardware_compatibility)
         manifest["files"] = artifact.file_records(staging)
         manifest["build"]["duration_s"] = round(time.perf_counter() - started, 1)
         artifact.write_manifest(staging, manifest)

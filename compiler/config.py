@@ -120,6 +120,9 @@ class BackendSection(Section):
     name: Literal["none", "tensorrt-rtx", "tensorrt"] = Field(
         "none", description="none: ONNX artifact only; tensorrt-rtx / tensorrt: also build engines")
     targets: list[str] = Field(default_factory=list, description="architectures, e.g. [sm86, sm89]")
+    hardware_compatibility: Literal["none", "ampere_plus"] = Field(
+        "none", description="tensorrt only: none = one engine per target, built on that target's GPU; "
+                            "ampere_plus = one engine that runs on every Ampere-or-newer GPU (slower)")
 
     @field_validator("targets")
     @classmethod
@@ -147,6 +150,9 @@ class BuildConfig(Section):
     def _cross_checks(self):
         if self.backend.name == "none" and self.backend.targets:
             raise ValueError("backend.targets: given but backend.name is 'none' (choose tensorrt-rtx or tensorrt)")
+        if self.backend.hardware_compatibility != "none" and self.backend.name != "tensorrt":
+            raise ValueError(f"backend.hardware_compatibility: only backend tensorrt builds "
+                             f"hardware-compatible engines (backend is {self.backend.name!r}); remove it")
         if self.backend.name != "none" and not self.backend.targets:
             raise ValueError(f"backend.targets: backend {self.backend.name!r} needs at least one target")
         if self.kv_dtype == "fp8" and self.backend.name == "tensorrt-rtx":

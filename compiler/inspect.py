@@ -79,21 +79,8 @@ def inspect_artifact(directory: str | Path, console: Console | None = None, veri
 
 
 def host_can_run(engine: dict) -> str:
-    """Whether this machine could deserialize and run the engine, and if not, why."""
-    try:
-        import torch
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    if not has_gpu:
-        return "no: this host has no GPU"
-    major, minor = torch.cuda.get_device_capability()
-    here = f"{major}.{minor}"
-    if here != engine["compute_capability"]:
-        return f"no: GPU is compute capability {here}, engine is for {engine['compute_capability']}"
-    module = "tensorrt_rtx" if engine["backend"] == "tensorrt-rtx" else "tensorrt"
-    try:
-        __import__(module)
-    except ImportError:
-        return f"no: {module} is not installed"
-    return "yes"
+    """Whether this machine could deserialize and run the engine, and if not, why: the TensorRT
+    executor's own check, so inspect and serving never disagree."""
+    from trtc.runtime.tensorrt_executor import engine_refusal
+    why = engine_refusal(engine)
+    return "yes" if why is None else f"no: {why}"

