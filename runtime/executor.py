@@ -1,17 +1,22 @@
 """Executors run one step of the contract on a device. All implement
 ``execute(step) -> logits`` with ``block_size`` and ``num_blocks`` attributes; the engine never
-knows which one it has: the torch executor (the compiled graph with the plugin references, CPU)
-and the CUDA executor (the same graph on a GPU with the Triton kernels and CUDA graphs)."""
+knows which one it has: the torch executor (the compiled graph with the plugin references, CPU),
+the CUDA executor (the same graph on a GPU with the Triton kernels and CUDA graphs) and the
+TensorRT executor (an engine of the artifact, `tensorrt_executor.py`)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from trtc.compiler.errors import ArtifactError
 
-EXECUTORS = ("auto", "torch", "cuda")
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("trtc.executor")
+
+EXECUTORS = ("auto", "torch", "cuda", "tensorrt")
 
 
 class Executor(Protocol):
@@ -37,10 +42,27 @@ def default_num_blocks(manifest: dict, kv_cache_memory: int, max_num_seqs: int) 
 
 
 def create_executor(name: str, artifact_dir: str | Path, num_blocks: int | None, device: str = "cpu") -> Executor:
-    """``auto`` picks CUDA where a GPU is present, else the torch executor on the CPU."""
+    """``auto`` picks the TensorRT executor when the artifact has an engine this host can run,
+    else CUDA where a GPU is present, else the torch executor on the CPU; it says why it passed
+    over the engines. A forced ``tensorrt`` that cannot run is an error with the reason."""
+    import torch
     if name not in EXECUTORS:
         raise ArtifactError(f"unknown executor {name!r} (choose from {', '.join(EXECUTORS)})")
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+    if name in ("auto", "tensorrt"):
+        from trtc.compiler.artifact import read_manifest
+        from trtc.runtime.tensorrt_executor import TensorRTExecutor, choose_engine
+        manifest = read_manifest(artifact_dir)
+        engine, reasons = choose_engine(manifest)
+        if engine is not None:
+            return TensorRTExecutor(artifact_dir, num_blocks, engine)
+        if name == "tensorrt":
+            raise ArtifactError(f"executor 'tensorrt': no engine of {artifact_dir} can run on this host: "
+                                + "; ".join(reasons))
+        fallback = "cuda" if torch.cuda.is_available() else "torch"
+        (log.warning if manifest.get("engines") else log.info)(
+            "executor auto: not using a TensorRT engine (%s); using the %s executor", "; ".join(reasons), fallback)
+        name = fallback
+    if name == "cuda":
         if not torch.cuda.is_available():
             raise ArtifactError("executor 'cuda' needs a CUDA GPU and a CUDA build of torch; none is present")
         from trtc.runtime.cuda_executor import CudaExecutor

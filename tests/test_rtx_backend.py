@@ -47,6 +47,25 @@ SCHEDULE = [
 ]
 
 
+def assert_matches_paged_graph(lowered: onnx.ModelProto, paged_step, atol: float) -> list[int]:
+    """Run SCHEDULE through the lowered graph (onnxruntime, three slots) and through
+    ``paged_step`` (the paged graph: ``list[SequenceWork] -> logits``), asserting equal logits at
+    every busy slot; returns the slots' cached lengths at the end."""
+    runner = SlotOnnxRunner(lowered, num_slots=3)
+    tables = [list(range(b * 4, b * 4 + 4)) for b in range(3)]
+    rng = np.random.default_rng(0)
+    cached = [0, 0, 0]
+    for lengths, width in SCHEDULE:
+        new = [rng.integers(0, 256, n).tolist() for n in lengths]
+        logits = runner.step([slot.SlotWork(t, c) for t, c in zip(new, cached)], num_new_tokens=width)
+        busy = [b for b, t in enumerate(new) if t]
+        want = paged_step([SequenceWork(new[b], cached[b], tables[b]) for b in busy])
+        assert np.isfinite(logits).all(), "a padding or idle row produced NaN/inf"
+        np.testing.assert_allclose(logits[busy], want, rtol=0, atol=atol, err_msg=f"step {lengths}")
+        cached = [c + len(t) for c, t in zip(cached, new)]
+    return cached
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
 def test_lowered_graph_matches_paged_graph(tiny_artifacts, name):
     artifact = tiny_artifacts[name]
@@ -56,19 +75,8 @@ def test_lowered_graph_matches_paged_graph(tiny_artifacts, name):
     assert "PagedAttention" not in ops and {"TRT_KVCacheUpdate", "Attention"} <= ops
     assert not lowered.functions and all(n.domain in ("", "ai.onnx") for n in lowered.graph.node)
 
-    runner = SlotOnnxRunner(lowered, num_slots=3)
     paged = OnnxReferenceRunner(artifact, num_blocks=3 * MAX_SEQ_LEN // BLOCK_SIZE)
-    tables = [list(range(b * 4, b * 4 + 4)) for b in range(3)]
-    rng = np.random.default_rng(0)
-    cached = [0, 0, 0]
-    for lengths, width in SCHEDULE:
-        new = [rng.integers(0, 256, n).tolist() for n in lengths]
-        logits = runner.step([slot.SlotWork(t, c) for t, c in zip(new, cached)], num_new_tokens=width)
-        busy = [b for b, t in enumerate(new) if t]
-        want = paged.step([SequenceWork(new[b], cached[b], tables[b]) for b in busy])
-        assert np.isfinite(logits).all(), "a padding or idle row produced NaN/inf"
-        np.testing.assert_allclose(logits[busy], want, rtol=0, atol=1e-4, err_msg=f"step {lengths}")
-        cached = [c + len(t) for c, t in zip(cached, new)]
+    cached = assert_matches_paged_graph(lowered, paged.step, atol=1e-4)
     if name == "tiny-mistral":
         assert max(cached) > manifest["model"]["sliding_windows"][0]
 
@@ -105,11 +113,12 @@ def test_make_slot_step_refuses_overflow():
         slot.make_slot_step([slot.SlotWork([1, 2], 60), slot.SlotWork([1] * 8, 0)], max_seq_len=64)
 
 
-def test_quantized_gemm_nodes_are_a_build_error(tiny_artifacts):
+def test_plugin_nodes_without_a_lowering_are_a_build_error(tiny_artifacts):
     model, manifest = load(tiny_artifacts["tiny-llama"])
     gemm = next(n for n in model.graph.node if n.op_type == "Gemm")
-    gemm.op_type, gemm.domain, gemm.name = "Int4Gemm", "trtc", "model.layers.0.mlp.down_proj.int4"
-    with pytest.raises(BuildError, match=r"trtc::Int4Gemm.*model\.layers\.0\.mlp\.down_proj\.int4"):
+    gemm.op_type, gemm.domain = "Int8Gemm", "trtc"
+    with pytest.raises(BuildError, match=r"no native lowering for trtc::Int8Gemm .*lowers trtc::Fp8Gemm, "
+                                         r"trtc::Int4Gemm, trtc::PagedAttention"):
         lower_for_rtx(model, manifest, MAX_SEQ_LEN)
 
 

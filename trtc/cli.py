@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import signal
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+
+from trtc.runtime.executor import EXECUTORS      # light: no torch at import
 
 app = typer.Typer(
     name="trtc", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -89,7 +92,9 @@ def _engine_config(executor, num_blocks, kv_cache_memory_mib, max_num_seqs, max_
                         enable_prefix_caching=not no_prefix_caching)
 
 
-EXECUTOR_HELP = "auto (the best this host can run) or torch (the compiled graph on CPU)"
+EXECUTOR_HELP = ("auto: an engine of the artifact this host can run (tensorrt), else cuda on a GPU, else "
+                 "torch (the compiled graph on CPU); naming one forces it, and fails if this host cannot run it")
+Executor = Enum("Executor", {name: name for name in EXECUTORS}, type=str)
 
 
 @app.command()
@@ -99,7 +104,7 @@ def serve(
     port: int = typer.Option(8000, help="TCP port"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY",
                                           help="require 'Authorization: Bearer KEY' on /v1 endpoints"),
-    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+    executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
     num_blocks: Optional[int] = typer.Option(None, help="KV-cache blocks in the pool (default: from --kv-cache-memory)"),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
     max_num_seqs: Optional[int] = typer.Option(None, help="sequences per step (default: the artifact's limit)"),
@@ -117,7 +122,7 @@ def serve(
     from trtc.runtime.server import serve as run_server
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = LLMEngine(artifact, _engine_config(executor, num_blocks, kv_cache_memory, max_num_seqs,
+        engine = LLMEngine(artifact, _engine_config(executor.value, num_blocks, kv_cache_memory, max_num_seqs,
                                                     max_num_batched_tokens, no_prefix_caching))
     except TrtcError as e:
         _fail(e)
@@ -134,14 +139,14 @@ def generate(
     top_k: int = typer.Option(0, help="0 = off"),
     seed: Optional[int] = typer.Option(None, help="seed for reproducible sampling"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
-    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+    executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
 ):
     """Generate one completion and stream it to the terminal."""
     from trtc.compiler.errors import TrtcError
     from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError
     from trtc.runtime.sequence import SamplingParams
     try:
-        engine = LLMEngine(artifact, EngineConfig(executor=executor, kv_cache_memory=256 << 20, max_num_seqs=1))
+        engine = LLMEngine(artifact, EngineConfig(executor=executor.value, kv_cache_memory=256 << 20, max_num_seqs=1))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if chat:
             engine.add_request(None, params, prompt_ids=engine.apply_chat_template([{"role": "user", "content": prompt}]))
@@ -164,7 +169,7 @@ def evaluate(
     text: Path = typer.Option(..., "--text", help="text file to measure perplexity on"),
     window: int = typer.Option(512, help="tokens per evaluation window"),
     max_windows: Optional[int] = typer.Option(None, help="evaluate only the first N windows"),
-    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+    executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
 ):
     """Perplexity of an artifact on a text file, computed on the compiled graph by the runtime's
     executor: compare a quantized artifact with its unquantized source."""
@@ -173,7 +178,7 @@ def evaluate(
     if not text.is_file():
         raise typer.BadParameter(f"{text} does not exist", param_hint="--text")
     try:
-        r = perplexity(artifact, text.read_text(), window, max_windows, executor)
+        r = perplexity(artifact, text.read_text(), window, max_windows, executor.value)
     except (TrtcError, ValueError) as e:
         _fail(e)
     print(f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows of {r['window']})")
@@ -203,7 +208,7 @@ def bench(
     mode: str = typer.Option("both", help="inflight | static | both (same request set, one after the other)"),
     baseline: Optional[str] = typer.Option(None, help="hf: also run transformers' generate on the source model "
                                            "in static batches of --concurrency, on the same device"),
-    executor: str = typer.Option("auto", help=EXECUTOR_HELP),
+    executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results as JSON here"),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help="keep prefix caching on (off by default: "
@@ -236,7 +241,7 @@ def bench(
             results.append(B.run_server(url, requests, concurrency, rate, seed, api_key))
         else:
             from trtc.runtime.engine import EngineConfig, LLMEngine
-            engine = LLMEngine(artifact, EngineConfig(executor=executor, kv_cache_memory=int(kv_cache_memory * 2**20),
+            engine = LLMEngine(artifact, EngineConfig(executor=executor.value, kv_cache_memory=int(kv_cache_memory * 2**20),
                                                       max_num_seqs=max(concurrency, 1),
                                                       enable_prefix_caching=prefix_caching))
             special = set(engine.tokenizer.all_special_ids)

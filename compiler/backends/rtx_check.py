@@ -4,7 +4,8 @@ lowering computes what the paged graph computes, on a machine without a GPU.
 ``TRT_KVCacheUpdate`` is TensorRT's op, unknown to onnxruntime: in a copy of the graph it is moved
 to a private domain where a Python custom op (onnxruntime-extensions) implements its linear-mode
 semantics, ``out[b, :, write_indices[b] + s, :] = update[b, :, s, :]``. onnxruntime runs the
-opset-23 ``Attention`` as emitted (4-D GQA inputs, bool mask), so nothing else is rewritten.
+opset-23 ``Attention`` as emitted (4-D GQA inputs, bool mask) and the INT4 block-wise and FP8
+``DequantizeLinear`` / ``QuantizeLinear`` of the quantized GEMMs natively, so nothing else is rewritten.
 fp32 graphs only (onnxruntime-extensions registers one type signature per op)."""
 from __future__ import annotations
 
