@@ -7,12 +7,16 @@ extra rows are padding (slot -1, so nothing is written; one visible cached posit
 divides by zero) and their logits are dropped."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from trtc.compiler.artifact import read_manifest
-from trtc.runtime.torch_executor import TorchExecutor
+from trtc.runtime.fusion import fuse
+from trtc.runtime.torch_executor import GraphNode, TorchExecutor
+
+log = logging.getLogger("trtc.executor")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -33,7 +37,10 @@ class CudaExecutor(TorchExecutor):
     name = "cuda"
 
     def __init__(self, artifact_dir: str | Path, num_blocks: int | None = None, device: str = "cuda",
-                 memory_fraction: float = 0.9, max_graph_batch: int | None = None, use_cuda_graphs: bool = True):
+                 memory_fraction: float = 0.9, max_graph_batch: int | None = None, use_cuda_graphs: bool = True,
+                 fuse_kernels: bool = True):
+        self.fuse_kernels = fuse_kernels
+        self.fusions: dict[str, int] = {}
         manifest = read_manifest(artifact_dir)
         if num_blocks is None:
             weight_bytes = manifest["graph"]["weight_bytes"]["total"]
@@ -45,34 +52,33 @@ class CudaExecutor(TorchExecutor):
         self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= top] or [1]
         if self.graph_sizes[-1] < top:
             self.graph_sizes.append(top)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         if use_cuda_graphs:
             self._capture_all()
 
-    def _static_inputs(self, batch: int) -> dict[str, torch.Tensor]:
-        dev = self.device
-        return {"input_ids": torch.zeros(batch, dtype=torch.int64, device=dev),
-                "positions": torch.zeros(batch, dtype=torch.int64, device=dev),
-                "slot_mapping": torch.full((batch,), -1, dtype=torch.int64, device=dev),
-                "block_tables": torch.zeros(batch, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-                "context_lens": torch.ones(batch, dtype=torch.int32, device=dev),
-                "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=dev),
-                "logits_indices": torch.arange(batch, dtype=torch.int64, device=dev)}
+    def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
+        """Fewer, fused kernels (runtime/fusion.py); ``fuse_kernels=False`` runs the graph as compiled."""
+        if not self.fuse_kernels:
+            return graph
+        graph, counts = fuse(graph, self.constants, self.graph_outputs)
+        self.fusions = dict(counts)
+        log.info("fused kernels: %s", ", ".join(f"{k} x{v}" for k, v in counts.items()))
+        return graph
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
         for batch in sorted(self.graph_sizes, reverse=True):    # largest first: smaller ones reuse its memory
-            inputs = self._static_inputs(batch)
+            inputs = DecodeInputs(batch, self.max_blocks_per_seq, self.device)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):                              # compile kernels, settle the allocator
-                    self.forward(inputs)
+                    self.forward(inputs.tensors)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(inputs)
+                logits = self.forward(inputs.tensors)
             pool = graph.pool()
             self.graphs[batch] = (graph, inputs, logits)
         torch.cuda.synchronize(self.device)
@@ -84,15 +90,43 @@ class CudaExecutor(TorchExecutor):
         if num_tokens != num_seqs or size is None:                # prefill or mixed: eager
             return self.forward({k: v.to(self.device, non_blocking=True) for k, v in step.items()})
         graph, inputs, logits = self.graphs[size]
-        n = num_seqs
-        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
-            inputs[name][:n].copy_(step[name], non_blocking=True)
-        tables = step["block_tables"]
-        inputs["block_tables"][:n, :tables.shape[1]].copy_(tables, non_blocking=True)
-        # Padding rows: no KV write, one visible position, their own query token.
-        inputs["slot_mapping"][n:].fill_(-1)
-        inputs["context_lens"][n:].fill_(1)
-        inputs["input_ids"][n:].zero_()
-        inputs["positions"][n:].zero_()
+        inputs.load(step)
         graph.replay()
-        return logits[:n]              # stays on the GPU: the sampler copies back token ids only
+        return logits[:num_seqs]       # stays on the GPU: the sampler copies back token ids only
+
+
+class DecodeInputs:
+    """The static inputs of one captured decode graph of ``batch`` rows, packed into two device
+    buffers with pinned host twins: loading a step costs two asynchronous host-to-device copies
+    (not one copy per tensor plus kernels that fill the padding rows).
+
+    Rows past the step's sequences are padding: no KV write (slot -1), one visible position,
+    their own query token; their logits are never read."""
+
+    def __init__(self, batch: int, max_blocks: int, device: torch.device):
+        self.batch, self.max_blocks = batch, max_blocks
+        self.host64 = torch.zeros(3, batch, dtype=torch.int64).pin_memory()    # ids, positions, slots
+        self.host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32).pin_memory()
+        self.host64[2] = -1
+        self.host32[:batch] = 1
+        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
+        self.copied = torch.cuda.Event()
+        self.tensors = {
+            "input_ids": self.dev64[0], "positions": self.dev64[1], "slot_mapping": self.dev64[2],
+            "block_tables": self.dev32[batch:].view(batch, max_blocks),
+            "context_lens": self.dev32[:batch],
+            "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
+            "logits_indices": torch.arange(batch, dtype=torch.int64, device=device)}
+
+    def load(self, step: dict[str, torch.Tensor]) -> None:
+        n, width = step["block_tables"].shape
+        self.copied.synchronize()            # the previous step's copies have read the host buffers
+        h64, h32 = self.host64, self.host32
+        h64[0, :n], h64[1, :n], h64[2, :n] = step["input_ids"], step["positions"], step["slot_mapping"]
+        h64[0, n:], h64[1, n:], h64[2, n:] = 0, 0, -1
+        h32[:n], h32[n:self.batch] = step["context_lens"], 1
+        tables = h32[self.batch:].view(self.batch, self.max_blocks)
+        tables[:n, :width] = step["block_tables"]
+        self.dev64.copy_(h64, non_blocking=True)
+        self.dev32.copy_(h32, non_blocking=True)
+        self.copied.record()

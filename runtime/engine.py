@@ -45,7 +45,7 @@ class RequestOutput:
 
 @dataclass
 class EngineConfig:
-    executor: str = "auto"             # auto | torch
+    executor: str = "auto"             # auto | torch | cuda | tensorrt (see executor.py)
     device: str = "cpu"
     num_blocks: int | None = None      # KV blocks in the pool (default: from kv_cache_memory)
     kv_cache_memory: int = 1 << 30     # bytes for the KV pool when num_blocks is not given

@@ -15,7 +15,7 @@ from onnx import numpy_helper
 from trtc.compiler.artifact import MODEL_FILE, WEIGHTS_FILE, read_manifest, verify_files
 from trtc.compiler.contract import TORCH_DTYPES, kv_input_name, kv_output_name
 from trtc.compiler.errors import ArtifactError
-from trtc.runtime.torch_ops import OPS
+from trtc.runtime.torch_ops import OPS, GraphNode
 
 
 def _to_torch(init: onnx.TensorProto, device) -> torch.Tensor:
@@ -60,16 +60,21 @@ class TorchExecutor:
         if unsupported:
             raise ArtifactError(f"{self.dir}: the torch executor cannot run op(s) {', '.join(unsupported)}")
         self.constants = {i.name: _to_torch(i, self.device) for i in model.graph.initializer}
-        self.nodes = [(OPS[(n.domain, n.op_type)], list(n.input), list(n.output), _attrs(n))
-                      for n in model.graph.node]
+        self.graph_outputs = {o.name for o in model.graph.output}
+        graph = self.rewrite([GraphNode((n.domain, n.op_type), list(n.input), list(n.output), _attrs(n))
+                              for n in model.graph.node])
+        self.nodes = [(OPS[n.op], n.inputs, n.outputs, n.attrs) for n in graph]
         # Free each intermediate after its last reader: peak memory stays one layer's worth.
         last_use: dict[str, int] = {}
         for i, (_, inputs, _, _) in enumerate(self.nodes):
             for name in inputs:
                 last_use[name] = i
-        graph_outputs = {o.name for o in model.graph.output}
         self.release = [[n for n in inputs if last_use.get(n) == i and n not in self.constants
-                         and n not in graph_outputs] for i, (_, inputs, _, _) in enumerate(self.nodes)]
+                         and n not in self.graph_outputs] for i, (_, inputs, _, _) in enumerate(self.nodes)]
+
+    def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
+        """The node list this executor runs (here: the graph as compiled)."""
+        return graph
 
     @torch.inference_mode()
     def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:

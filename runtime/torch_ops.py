@@ -6,6 +6,8 @@ the graph, never silently approximated. Plugin ops (domain ``trtc``) dispatch to
 implementation for the device."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +15,15 @@ from trtc.plugins.paged_attention import paged_attention
 
 ONNX_TO_TORCH = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 7: torch.int64,
                  6: torch.int32, 9: torch.bool, 11: torch.float64, 17: torch.float8_e4m3fn}
+
+
+class GraphNode(NamedTuple):
+    """One node as an executor runs it: ``OPS[op](inputs, attrs) -> outputs`` (by tensor name;
+    an empty name is an absent optional input)."""
+    op: tuple[str, str]          # (domain, op_type)
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict
 
 
 def _gemm(x, attrs):

@@ -24,13 +24,17 @@ SPEC = PluginSpec(
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              input_scale: torch.Tensor, bias: torch.Tensor | None = None, *, in_features: int,
              out_features: int) -> torch.Tensor:
-    """Eager: the reference. Under ONNX export: one plugin node (without ``bias`` if None)."""
+    """Under ONNX export: one plugin node (without ``bias`` if None). Eager: `cuda.fp8_gemm`
+    on CUDA tensors (``torch._scaled_mm`` where the GPU has FP8), the reference otherwise."""
     attrs = dict(in_features=in_features, out_features=out_features)
     if torch.onnx.is_in_onnx_export():
         inputs = [x, weight, weight_scale, input_scale] + ([bias] if bias is not None else [])
         return torch.onnx.ops.symbolic(
             SPEC.qualified_name, inputs, attrs, dtype=x.dtype,
             shape=(*x.shape[:-1], out_features), version=SPEC.version)
+    if x.is_cuda:
+        from trtc.plugins.fp8_gemm.cuda import fp8_gemm as on_gpu
+        return on_gpu(x, weight, weight_scale, input_scale, bias, **attrs)
     return reference(x, weight, weight_scale, input_scale, bias, **attrs)
 
 

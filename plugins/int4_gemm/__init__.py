@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trtc.plugins.int4_gemm.reference import dequantize, int4_gemm as reference, pack_int4, unpack_int4
+from trtc.plugins.int4_gemm.reference import (check_shapes, dequantize, int4_gemm as reference,
+                                              pack_int4, unpack_int4)
 from trtc.plugins.spec import PluginSpec
 
 SPEC = PluginSpec(
@@ -16,21 +17,28 @@ SPEC = PluginSpec(
     attributes={"group_size": int, "in_features": int, "out_features": int},
     doc="W4A16 group-wise asymmetric GEMM: y = x @ ((q - zeros) * scales).T + bias in fp32, "
         "returned in x's dtype; qweight uint8 [N, K/2] holds two 4-bit values per byte along K, "
-        "low nibble = even k (the ONNX UINT4 [N, K] layout); scales [N, K/group] in x's dtype; "
-        "zeros uint8 [N, K/group]; bias [N] optional (omitted from the node when absent)",
+        "low nibble = even k (the ONNX UINT4 [N, K] layout); scales [N, ceil(K/group)] in x's "
+        "dtype; zeros uint8 [N, ceil(K/group)] (a row's last group is shorter when group does not "
+        "divide K); bias [N] optional (omitted from the node when absent)",
 )
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               bias: torch.Tensor | None = None, *, group_size: int, in_features: int,
               out_features: int) -> torch.Tensor:
-    """Eager: the reference. Under ONNX export: one plugin node (without ``bias`` if None)."""
+    """Under ONNX export: one plugin node (without ``bias`` if None). Eager: the Triton kernels
+    on CUDA tensors (group sizes they take), the torch reference otherwise."""
     attrs = dict(group_size=group_size, in_features=in_features, out_features=out_features)
     if torch.onnx.is_in_onnx_export():
         inputs = [x, qweight, scales, zeros] + ([bias] if bias is not None else [])
         return torch.onnx.ops.symbolic(
             SPEC.qualified_name, inputs, attrs, dtype=x.dtype,
             shape=(*x.shape[:-1], out_features), version=SPEC.version)
+    if x.is_cuda:
+        from trtc.plugins.int4_gemm import triton_kernels
+        if triton_kernels.supports(group_size):
+            check_shapes(x, qweight, scales, zeros, bias, **attrs)
+            return triton_kernels.int4_gemm(x, qweight, scales, zeros, bias, **attrs)
     return reference(x, qweight, scales, zeros, bias, **attrs)
 
 

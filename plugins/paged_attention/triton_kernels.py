@@ -27,6 +27,36 @@ from trtc.plugins.paged_attention.reference import check_scales
 
 
 @triton.jit
+def round_to_e4m3(y):
+    """fp32 ``y`` -> the nearest E4M3 value (ties to even, saturated at +-448), held exactly in
+    fp32 and computed with exact fp32 operations only (power-of-two multiplies, one rounding
+    add). Spelled out because a plain cast gave other bits than torch's: on an H200 (Triton 3.6,
+    IEEE division already) 528 (fp16) and 3920 (bf16) of 16.8M cached bytes differed by one step,
+    and Triton's CPU interpreter drops the carry into the next power of two (1.97 -> 1.0). The
+    value returned is on the grid, so the cast that follows is exact on any backend."""
+    y = tl.clamp(y, -448.0, 448.0)
+    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(exponent, -6) - 3                       # E4M3 spacing 2^e (subnormals: 2^-9)
+    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    v = y * inv_step                                       # exact; |v| < 16
+    r = (v + 12582912.0) - 12582912.0                      # + 1.5 * 2^23: rounds half to even
+    return tl.where(r == 0.0, y * 0.0, r * step)           # y * 0 keeps the sign of zero
+
+
+@triton.jit
+def to_cache(x, scale, ty: tl.constexpr, FP8: tl.constexpr):
+    """The reference's `to_cache`, as the cache dtype ``ty``: an FP8 cache holds x / scale,
+    saturated at +-448 and rounded to nearest even (`round_to_e4m3`; the division IEEE-rounded,
+    as Triton's ``/`` on fp32 is the approximate ``div.full.f32``); other caches hold x."""
+    if FP8:
+        y = round_to_e4m3(tl.math.div_rn(x.to(tl.float32), scale)).to(ty)
+    else:
+        y = x.to(ty)
+    return y
+
+
+@triton.jit
 def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride, k_scale, v_scale,
               ROW: tl.constexpr, ROW_P2: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
@@ -34,14 +64,12 @@ def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride, k_scale,
     if slot >= 0:
         cols = tl.arange(0, ROW_P2)
         mask = cols < ROW
-        k = tl.load(key_ptr + token * ROW + cols, mask=mask)
-        v = tl.load(value_ptr + token * ROW + cols, mask=mask)
-        if FP8:     # the reference's to_cache: scale, saturate, round to nearest E4M3
-            k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
-            v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+        ty = cache_ptr.dtype.element_ty
+        k = to_cache(tl.load(key_ptr + token * ROW + cols, mask=mask), k_scale, ty, FP8)
+        v = to_cache(tl.load(value_ptr + token * ROW + cols, mask=mask), v_scale, ty, FP8)
         dst = cache_ptr + slot.to(tl.int64) * ROW + cols
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + cache_kv_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, k, mask=mask)
+        tl.store(dst + cache_kv_stride, v, mask=mask)
 
 
 @triton.jit
@@ -68,18 +96,27 @@ def _paged_attention(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_Q: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # HEADS_FIRST: the KV heads of one (tile, split) are neighbouring programs, so the rows of a
+    # cache block (all KV heads of a position side by side) are read at about the same time.
+    tile = tl.program_id(1 if HEADS_FIRST else 0)
+    kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     split = tl.program_id(2)
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q)
-    q_begin = tl.load(query_start_loc_ptr + seq)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
-    first_tile = q_begin // TILE_Q + seq
-    q_start = q_begin + (tile - first_tile) * TILE_Q           # first token of this tile
-    if q_start >= q_end:
-        return                                                  # a spare tile of this sequence
+    if DECODE:
+        # One token per sequence (T == S): tile = token = sequence, no search, no spare tiles.
+        seq = tile
+        q_begin = tile
+        q_end = tile + 1
+        q_start = tile
+    else:
+        seq = _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q)
+        q_begin = tl.load(query_start_loc_ptr + seq)
+        q_end = tl.load(query_start_loc_ptr + seq + 1)
+        first_tile = q_begin // TILE_Q + seq
+        q_start = q_begin + (tile - first_tile) * TILE_Q       # first token of this tile
+        if q_start >= q_end:
+            return                                              # a spare tile of this sequence
     context_len = tl.load(context_lens_ptr + seq)
     num_new = q_end - q_begin
 
@@ -173,33 +210,39 @@ def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms:
     """Launch shape from tensor shapes only. Decode-only steps (one token per sequence) get
     single-token tiles and a context split large enough to fill the GPU."""
     group = num_heads // num_kv_heads
-    decode = num_tokens == num_seqs
+    decode = num_tokens == num_seqs           # every scheduled sequence has >= 1 new token
     tile_q = 1 if decode else max(1, 64 // group)
     tile_m = max(16, _pow2(tile_q * group))
-    tiles = num_tokens // tile_q + num_seqs
+    tiles = num_seqs if decode else num_tokens // tile_q + num_seqs
     splits = 1
     if decode:
-        while tiles * num_kv_heads * splits < 8 * sms and splits < 16:   # measured best on H200: 4 splits at batch 64
+        # Measured on the H200 (docs/gpu-kernels.md): 4 splits at batch 64 x 4 KV heads; more
+        # splits were slower (more partial results to combine, shorter loops).
+        while tiles * num_kv_heads * splits < 4 * sms and splits < 16:
             splits *= 2
-    return {"tile_q": tile_q, "tile_m": tile_m, "tiles": tiles, "splits": splits}
+    return {"tile_q": tile_q, "tile_m": tile_m, "tiles": tiles, "splits": splits, "decode": decode}
 
 
 def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
                     query_start_loc, *, num_heads: int, num_kv_heads: int, head_dim: int,
                     scale: float, sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                    tile_k: int = 64, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2):
+                    tile_k: int = 64, num_splits: int | None = None, num_warps: int = 2, num_stages: int = 3,
+                    heads_first: bool = True, write_kv: bool = True):
     """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place.
     An FP8 cache is read as E4M3 values converted to the query dtype (exact: every E4M3 value is
     an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output."""
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     check_scales(kv_cache.dtype, k_scale, v_scale)
+    # write_kv=False: the new K/V are already in their slots (the CUDA executor's fused rotary +
+    # cache-write kernel put them there).
     num_tokens = query.shape[0]
     num_seqs = context_lens.shape[0]
     block_size = kv_cache.shape[2]
     row = num_kv_heads * head_dim
     cache_kv_stride = kv_cache.stride(0)
-    _write_kv[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping, cache_kv_stride,
-                             k_scale, v_scale, ROW=row, ROW_P2=_pow2(row), FP8=fp8)
+    if write_kv:
+        _write_kv[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping, cache_kv_stride,
+                                 k_scale, v_scale, ROW=row, ROW_P2=_pow2(row), FP8=fp8)
     p = plan(num_tokens, num_seqs, num_heads, num_kv_heads)
     splits = num_splits or p["splits"]
     out = torch.empty_like(query)
@@ -209,14 +252,14 @@ def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, con
         part_ml = torch.empty(num_tokens * num_heads * splits, 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out      # unused
-    grid = (p["tiles"], num_kv_heads, splits)
+    grid = (num_kv_heads, p["tiles"], splits) if heads_first else (p["tiles"], num_kv_heads, splits)
     _paged_attention[grid](
         query.contiguous(), kv_cache, out, part_acc, part_ml, block_tables, context_lens, query_start_loc,
         num_seqs, block_tables.shape[1], cache_kv_stride, scale * k_scale, v_scale, sliding_window,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=block_size, TILE_Q=p["tile_q"],
         TILE_M=p["tile_m"], TILE_K=tile_k, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DECODE=p["decode"], HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine[(num_tokens * num_heads,)](part_acc, part_ml, out, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2,

@@ -1,0 +1,266 @@
+"""Check and time the Triton Int4Gemm kernels on a GPU, in one call, against the torch reference,
+torch's fp16 matmul of the same shape and the device's measured copy bandwidth. Runs standalone
+from the repository root (no install needed):
+
+    python3 plugins/int4_gemm/benchmark.py [--out int4.json]
+
+Shapes ``[N, K]``: the Llama-7B projections [4096, 4096] (q/k/v/o), [11008, 4096] (up/gate) and
+[4096, 11008] (down); group size 128, fp16, no bias.
+
+* Decode, 1/2/4/8/16 tokens: figure of merit = packed-weight bytes (N * K / 2) per second, over
+  the bandwidth of a large device-to-device copy measured in the same run (bytes read + written).
+  Scales and zeros add 3/64 of that (in ``all_bytes_fraction`` with x and y, not in the figure).
+* Prefill, 256 and 1024 tokens: TFLOP/s (2 T N K per call) against torch fp16 matmul.
+
+Every variant is checked against the fp32 reference before it is timed. Times are medians of
+CUDA-graph replays (``triton.testing.do_bench``), each graph calling the kernel once on each of
+R weight sets (R sets >= 200 MB, four times the 50 MB L2, so no call finds its weight in L2),
+divided by R: back-to-back launches as a captured decode step runs them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
+DECODE_TOKENS = [1, 2, 4, 8, 16]
+PREFILL_TOKENS = [256, 1024]
+GROUP = 128
+ROTATION_BYTES = 200e6
+TIME_BUDGET_S = 80.0        # stop timing new variants past this (the run must fit in 90 s)
+DEVICE = "cuda"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"int4_gemm_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look their module up while defining
+    spec.loader.exec_module(module)
+    return module
+
+
+kernels = _load("triton_kernels")
+reference = _load("reference")
+Plan = kernels.Plan
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median)."""
+    import triton.testing
+    src = torch.randn(int(gib * 2**30) // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def random_layer(n: int, k: int, seed: int, dtype=torch.float16):
+    """Random packed int4 weight (every byte value), scales 0.001..0.021, zeros 0..15."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    groups = -(-k // GROUP)
+    qweight = torch.randint(0, 256, (n, k // 2), generator=g, device=DEVICE, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=g, device=DEVICE) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=g, device=DEVICE, dtype=torch.uint8)
+    return qweight, scales, zeros
+
+
+def per_call_us(calls) -> float:
+    """Median microseconds per call of ``calls`` captured back to back in one CUDA graph."""
+    import triton.testing
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def plan_name(plan) -> str:
+    if plan is None:
+        return "default"
+    text = f"t{plan.block_t} n{plan.block_n} k{plan.block_k} s{plan.split_k}"
+    if plan.split_k > 1:
+        text += f" {plan.reduce}"
+    text += f" w{plan.num_warps} st{plan.num_stages}"
+    return text + (f" r{plan.max_registers}" if plan.max_registers else "")
+
+
+def decode_variants(tokens: int, n: int, k: int, sms: int) -> list:
+    """The default plan (``None``) and the alternatives around it: who adds the partial sums,
+    pipeline depth, 128-row programs (two warpgroups, registers capped for two programs an SM),
+    128-column steps (64 bytes of a row, one group at a time)."""
+    default = kernels.default_plan(tokens, n, k, GROUP, sms)
+    bk, split = default.block_k, default.split_k
+
+    def splits(block_n, block_k, slots):
+        return kernels.split_k_for(-(-n // block_n), -(-k // block_k), slots, tokens, k)
+
+    plans = [
+        Plan(16, 64, split, "kernel", 4, 3, bk),
+        Plan(16, 64, split, "last", 4, 4, bk),
+        Plan(16, 128, splits(128, bk, 2 * sms), "last", 8, 3, bk, 128),
+        Plan(16, 64, splits(64, 128, 3 * sms), "last", 4, 3, 128),
+    ]
+    unique = []
+    for plan in plans:
+        if plan.split_k == 1 and plan.reduce == "last":
+            plan = Plan(**{**plan.__dict__, "reduce": "kernel"})    # nothing to reduce
+        if plan != default and plan not in unique:
+            unique.append(plan)
+    return [None] + unique
+
+
+def prefill_variants() -> list:
+    return [None, Plan(128, 128, num_warps=8, num_stages=3, block_k=128)]
+
+
+def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts):
+    import torch.nn.functional as F
+    packed = n * k // 2
+    sets = [random_layer(n, k, seed) for seed in range(max(4, math.ceil(ROTATION_BYTES / packed)))]
+    w_ref = reference.dequantize(*sets[0], GROUP)                    # fp32 [N, K]
+    dense = [w_ref.half()] + [torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02
+                              for _ in range(max(2, math.ceil(ROTATION_BYTES / (2 * n * k))) - 1)]
+    kw = dict(group_size=GROUP, in_features=k, out_features=n)
+    for tokens in token_counts:
+        decode = tokens <= 16
+        x = torch.randn(tokens, k, device=DEVICE, dtype=torch.float16)
+        want = x.float() @ w_ref.T
+        base = {"n": n, "k": k, "tokens": tokens}
+        default_calls = None
+        fp16_us = per_call_us([lambda w=w: F.linear(x, w) for w in dense])
+        rows.append({**base, "variant": "torch fp16 matmul", "us": fp16_us,
+                     "tflops": 2 * tokens * n * k / (fp16_us * 1e-6) / 1e12,
+                     "fraction_of_copy_bw": 2 * n * k / (fp16_us * 1e-6) / bw})
+        for plan in (decode_variants(tokens, n, k, sms) if decode else prefill_variants()):
+            name = plan_name(plan)
+            if time.monotonic() > deadline:
+                rows.append({**base, "variant": name, "skipped": "time budget"})
+                continue
+            try:
+                err = rel_err(kernels.int4_gemm(x, *sets[0], plan=plan, **kw), want)
+            except Exception as e:                       # a variant that does not compile
+                failures.append(f"{n}x{k} T={tokens} {name}: {type(e).__name__}: {e}"[:300])
+                continue
+            if not err < 2e-3:
+                failures.append(f"{n}x{k} T={tokens} {name}: relative error {err:.2e}")
+                continue
+            us = per_call_us([lambda s=s: kernels.int4_gemm(x, *s, plan=plan, **kw) for s in sets])
+            row = {**base, "variant": name, "plan": None if plan is None else plan.__dict__,
+                   "rel_err": err, "us": us, "speedup_vs_fp16": fp16_us / us,
+                   "tflops": 2 * tokens * n * k / (us * 1e-6) / 1e12,
+                   "packed_GBps": packed / (us * 1e-6) / 1e9,
+                   "fraction_of_copy_bw": packed / (us * 1e-6) / bw,
+                   "all_bytes_fraction": (packed + 3 * n * (-(-k // GROUP)) + 2 * tokens * (k + n))
+                                         / (us * 1e-6) / bw}
+            if plan is None:
+                row["plan"] = kernels.default_plan(tokens, n, k, GROUP, sms).__dict__
+                default_calls = [lambda s=s: kernels.int4_gemm(x, *s, **kw) for s in sets]
+            rows.append(row)
+            print(f"{n:5d}x{k:<5d} T={tokens:4d} {name:38s} {us:8.2f} us  err {err:.1e}  "
+                  + (f"{row['fraction_of_copy_bw'] * 100:5.1f}% copy bw" if decode
+                     else f"{row['tflops']:6.1f} TFLOP/s") + f"  x{row['speedup_vs_fp16']:.2f} vs fp16",
+                  flush=True)
+        # The default plan once more, last: the spread between its two times is the noise.
+        if default_calls is not None:
+            rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
+
+
+def check_bf16(failures) -> list:
+    """bf16 activations and scales through the default plans (both kernels, a partial group)."""
+    out = []
+    for tokens, k in ((1, 4096), (4, 4096), (300, 4096 + 64)):
+        qweight, scales, zeros = random_layer(4096, k, 99, torch.bfloat16)
+        x = torch.randn(tokens, k, device=DEVICE, dtype=torch.bfloat16)
+        want = x.float() @ reference.dequantize(qweight, scales, zeros, GROUP).T
+        got = kernels.int4_gemm(x, qweight, scales, zeros, group_size=GROUP, in_features=k,
+                                out_features=4096)
+        err = rel_err(got, want)
+        out.append({"tokens": tokens, "k": k, "rel_err": err})
+        print(f"bf16 T={tokens} K={k}: relative error {err:.2e}")
+        if not err < 1e-2:
+            failures.append(f"bf16 T={tokens} K={k}: relative error {err:.2e}")
+    return out
+
+
+def summary(rows, bw):
+    """Per shape and token count: the default plan, the best variant, torch fp16."""
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; packed-weight GB/s and % of copy bandwidth "
+          f"(decode), TFLOP/s (prefill); speedup = fp16 matmul time / int4 time")
+    print(f"{'shape':>11} {'T':>5} | {'default us':>10} {'%bw/TF':>7} {'xfp16':>6} | "
+          f"{'best variant':38} {'us':>8} {'GB/s':>6} {'%bw/TF':>7} {'xfp16':>6} | {'fp16 us':>8}")
+    keys = sorted({(r["n"], r["k"], r["tokens"]) for r in rows},
+                  key=lambda t: (SHAPES.index((t[0], t[1])), t[2]))
+    for n, k, tokens in keys:
+        group = [r for r in rows if (r["n"], r["k"], r["tokens"]) == (n, k, tokens) and "us" in r]
+        fp16 = next((r for r in group if r["variant"] == "torch fp16 matmul"), None)
+        again = next((r for r in group if r["variant"] == "default (again)"), None)
+        ours = [r for r in group if r["variant"] not in ("torch fp16 matmul", "default (again)")]
+        if not ours or fp16 is None:
+            continue
+        best = min(ours, key=lambda r: r["us"])
+        default = next((r for r in ours if r["variant"] == "default"), best)
+
+        def merit(r):
+            return f"{r['fraction_of_copy_bw'] * 100:6.1f}%" if tokens <= 16 else f"{r['tflops']:7.1f}"
+        print(f"{n:5d}x{k:<5d} {tokens:5d} | {default['us']:10.2f} {merit(default)} "
+              f"{default['speedup_vs_fp16']:6.2f} | {best['variant']:38} {best['us']:8.2f} "
+              f"{best['packed_GBps']:6.0f} {merit(best)} {best['speedup_vs_fp16']:6.2f} | "
+              f"{fp16['us']:8.2f}" + (f"  (default again {again['us']:.2f})" if again else ""))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
+    args = parser.parse_args()
+    import triton
+    start = time.monotonic()
+    deadline = start + TIME_BUDGET_S
+    props = torch.cuda.get_device_properties(0)
+    results = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
+               "torch": torch.__version__, "triton": triton.__version__, "group_size": GROUP}
+    bw = copy_bandwidth()
+    results["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s ({results['device']}, "
+          f"{results['sms']} SMs)")
+    rows, failures = [], []
+    results["bf16_checks"] = check_bf16(failures)
+    for token_counts in (DECODE_TOKENS, PREFILL_TOKENS):
+        for n, k in SHAPES:
+            bench_shape(n, k, props.multi_processor_count, bw, deadline, rows, failures,
+                        token_counts)
+            torch.cuda.empty_cache()
+    results["rows"] = rows
+    results["failures"] = failures
+    results["seconds"] = time.monotonic() - start
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    for f in failures:
+        print(f"FAILED {f}")
+    summary(rows, bw)
+    print(f"({results['seconds']:.0f} s; {sum('skipped' in r for r in rows)} variants skipped "
+          f"for time, {len(failures)} failed)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""`trtc::Int4Gemm` in Triton: the CUDA implementation. Semantics are the reference's
+(`reference.py`: ``y = x @ ((q - zeros) * scales).T + bias`` with fp32 accumulation, returned in
+x's dtype; the last group of a row may be shorter); tests compare the two.
+
+One kernel, `_int4_dot`, for decode steps (1..16 tokens: one 16-wide tile) and prefill alike:
+``W_tile @ x_tile.T`` on the matrix units, weight rows on the M side. The packed weight
+(``qweight [N, K/2]``, low nibble = even k) is read as stored, once; a program owns ``BLOCK_N``
+rows and ``BLOCK_T`` tokens and walks K in steps of ``BLOCK_K`` columns, several groups a step,
+so each row is read in ``BLOCK_K / 2`` contiguous bytes (Triton pipelines these loads through
+shared memory with cp.async). Each step:
+
+* the weight is dequantized in registers by inline PTX, two weights per instruction: a nibble
+  OR-ed into the mantissa of 1024 (fp16) or 128 (bf16) is ``1024 + q`` exactly, ``+ -(1024 +
+  z)`` gives ``q - z`` exactly, one multiply by the group's scale rounds once to x's dtype (the
+  operand the matrix units take: within the fp16/bf16 tolerances, not the reference's fp32
+  weight). Triton's CPU interpreter, and fp32 activations, take portable ops instead;
+* low nibbles meet the even columns of x and high nibbles the odd ones (two dots), so a byte is
+  never re-interleaved; the columns of both operands are put in an order (`_mma_order`) in which
+  each thread's share of the weight tile is 16 contiguous bytes of shared memory;
+* the step's zeros and scales (2-4 bytes of a row, too short for cp.async, so Triton does not
+  pipeline them) are loaded one step ahead into registers, so a step does not wait a whole
+  memory round trip for them (two steps ahead, Triton stops pipelining the loop at all).
+
+Decode row blocks alone do not fill the SMs (4096 rows are 64 blocks of 64), so K is split over
+``split_k`` programs per row block; each writes fp32 partial sums to a workspace ``[split_k, T,
+N]`` and the sums are added in split order (deterministic, no float atomics), either by a second
+kernel (``reduce="kernel"``) or by the last program of the row block to finish (``reduce="last"``:
+one launch; programs count arrivals on a per-tile int32 counter that the last one resets). The
+launch depends on shapes only (no host syncs): a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Dot operand modes: fp16, bf16, fp32 (fp32 activations; and bf16 ones in Triton's CPU
+# interpreter, whose bf16 arithmetic is not implemented).
+FP16, BF16, FP32 = 0, 1, 2
+# What the programs of a split row block do with their partial sums.
+NO_SPLIT, SPLIT_THEN_KERNEL, SPLIT_LAST_SUMS = 0, 1, 2
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+@triton.jit
+def _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(acc, toks, rows, tok_ok, row_ok, T, N, tile, split, splits, bias_ptr, y_ptr,
+            partial_ptr, counter_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """``acc [BLOCK_T, BLOCK_N]`` fp32 -> y (bias added, cast), or this split's partial sums
+    (and, for ``SPLIT_LAST_SUMS``, the final sum if this program is the row block's last)."""
+    mask = tok_ok[:, None] & row_ok[None, :]
+    offs = toks.to(tl.int64)[:, None] * N + rows[None, :]
+    if SPLIT == 0:
+        _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
+    else:
+        plane = T.to(tl.int64) * N
+        tl.store(partial_ptr + split * plane + offs, acc, mask=mask)
+        if SPLIT == 2:
+            # Every thread's stores precede the (one-thread, gpu-scope release) arrival.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(splits):      # split order, as `_sum_splits`: deterministic
+                    # .cg: read L2, not a stale L1 line of an earlier call.
+                    total += tl.load(partial_ptr + s * plane + offs, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                _write_y(total, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
+                tl.atomic_xchg(counter_ptr + tile, 0)      # ready for the next call
+
+
+# --- the dot kernel (matrix units) ----------------------------------------------------------
+
+# Dequantization of 4 packed bytes (8 weights) in one asm block, two weights per instruction.
+# Operands: $0,$1 the low-nibble weights (4 halves), $2,$3 the high-nibble ones; $4 the 4 bytes;
+# $5,$6 -(1024 + z) (fp16) or -(128 + z) (bf16) per element; $7,$8 -(64 + z) (fp16 only, unused
+# in bf16); $9,$10 the scales. A PRMT spreads two bytes into the two 16-bit lanes; a LOP3 ORs a
+# nibble into the mantissa of 1024 (fp16) or 128 (bf16), where one unit is worth 1; adding the
+# negated zero gives q - z exactly, and one multiply by the scale rounds once (the weight the
+# matrix units see). fp16 keeps the high nibble in place (1024 + 16 q, times 1/16 in the FMA:
+# exact); bf16 has 7 mantissa bits, so the high nibble is shifted down first.
+_DEQUANT_F16 = tl.constexpr("""
+{
+.reg .b32 t0, t1, l0, l1, h0, h1, c;
+mov.b32 c, 0x2C002C00;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
+add.f16x2 l0, l0, $5;
+add.f16x2 l1, l1, $6;
+fma.rn.f16x2 h0, h0, c, $7;
+fma.rn.f16x2 h1, h1, c, $8;
+mul.f16x2 $0, l0, $9;
+mul.f16x2 $1, l1, $10;
+mul.f16x2 $2, h0, $9;
+mul.f16x2 $3, h1, $10;
+}
+""")
+_DEQUANT_BF16 = tl.constexpr("""
+{
+.reg .b32 t0, t1, u0, u1, l0, l1, h0, h1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+lop3.b32 l0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 l1, t1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 h0, u0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 h1, u1, 0x000F000F, 0x43004300, 0xEA;
+add.rn.bf16x2 l0, l0, $5;
+add.rn.bf16x2 l1, l1, $6;
+add.rn.bf16x2 h0, h0, $5;
+add.rn.bf16x2 h1, h1, $6;
+mul.rn.bf16x2 $0, l0, $9;
+mul.rn.bf16x2 $1, l1, $10;
+mul.rn.bf16x2 $2, h0, $9;
+mul.rn.bf16x2 $3, h1, $10;
+}
+""")
+
+
+@triton.jit
+def _dequantize(packed, zero, scale, MODE: tl.constexpr, ASM: tl.constexpr):
+    """Both nibbles of each byte as weights ``(q - z) * s`` in the dot's dtype."""
+    if ASM:
+        if MODE == 0:
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r",
+                [packed, (-1024.0 - zero.to(tl.float32)).to(tl.float16),
+                 (-64.0 - zero.to(tl.float32)).to(tl.float16), scale],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            neg = (-128.0 - zero.to(tl.float32)).to(tl.bfloat16)
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r", [packed, neg, neg, scale],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        # Portable (fp32 activations, Triton's CPU interpreter): the same function in fp32,
+        # rounded once to the dot's dtype.
+        z = zero.to(tl.float32)
+        s = scale.to(tl.float32)
+        dtype = tl.float16 if MODE == 0 else tl.float32
+        lo = (((packed & 0xF).to(tl.float32) - z) * s).to(dtype)
+        hi = (((packed >> 4).to(tl.float32) - z) * s).to(dtype)
+    return lo, hi
+
+
+@triton.jit
+def _mma_order(t, R: tl.constexpr, C: tl.constexpr):
+    """``[R, C]`` in memory order -> the column order the dot runs over. The weight operand of
+    a 16-wide step of the matrix units gives each thread the columns 2c, 2c+1, 2c+8 and 2c+9;
+    taken over four steps (64 columns), this order hands thread c the 16 contiguous bytes
+    16c..16c+15, so the packed tile is read from shared memory 16 bytes at a time instead of
+    2 (and no byte shuffling before the asm). The activations get the same order (the sum over
+    K does not care)."""
+    t = tl.reshape(t, (R, C // 64, 4, 4, 2, 2))          # column p = 64 i + 16 c + 4 s + 2 h + e
+    t = tl.permute(t, (0, 1, 3, 4, 2, 5))                # position 64 i + 16 s + 8 h + 2 c + e
+    return tl.reshape(t, (R, C))
+
+
+@triton.jit
+def _dot(a, b, acc, MODE: tl.constexpr):
+    if MODE == 2:
+        # fp32 operands: full fp32 products, as the reference (tf32 would round x).
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i, G, GPS: tl.constexpr):
+    """Step ``i``'s zeros and scales ``[BLOCK_N, GPS]`` (zeros past the last group)."""
+    g = i * GPS + tl.arange(0, GPS)
+    ok = row_ok[:, None] & (g[None, :] < G)
+    return (tl.load(zeros_ptr + meta + g[None, :], mask=ok, other=0),
+            tl.load(scales_ptr + meta + g[None, :], mask=ok, other=0.0))
+
+
+@triton.jit(do_not_specialize=["T", "iters_per_split", "splits"])
+def _int4_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partial_ptr,
+              counter_ptr, T, N, K, KB, G, iters_per_split, splits,
+              GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr,
+              EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """``BLOCK_T`` tokens x ``BLOCK_N`` rows; K in steps of ``BLOCK_K`` columns (several groups:
+    each row is read ``BLOCK_K / 2`` contiguous bytes at a time). The loads are pipelined by
+    Triton (cp.async into shared memory, ``num_stages``)."""
+    HALF: tl.constexpr = GROUP // 2
+    GPS: tl.constexpr = BLOCK_K // GROUP              # groups per step
+    BKB: tl.constexpr = BLOCK_K // 2                  # packed bytes per row per step
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    t_tiles = tl.cdiv(T, BLOCK_T)
+    # Token tiles vary fastest: the programs that share a weight tile run side by side, so a
+    # prefill reads each weight byte from HBM about once.
+    toks = (tile % t_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = (tile // t_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok_ok = toks < T
+    row_ok = rows < N
+    w_rows = qweight_ptr + rows.to(tl.int64)[:, None] * KB
+    meta = rows.to(tl.int64)[:, None] * G
+    x_rows = x_ptr + toks.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    i_begin = split * iters_per_split
+    i_end = tl.minimum(i_begin + iters_per_split, tl.cdiv(K, BLOCK_K))
+    # The zeros and scales of a step are 2 or 4 bytes of a row (too short for cp.async, so
+    # Triton does not pipeline them): loaded one step ahead into registers, or every step would
+    # wait a full memory round trip for them. (Two steps ahead, Triton 3.6 gives up pipelining
+    # the weight and x loads.)
+    zero0, scale0 = _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i_begin, G, GPS)
+    for i in range(i_begin, i_end):
+        zero1, scale1 = _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i + 1, G, GPS)
+        byte = i * BKB + tl.arange(0, BKB)
+        col = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w_ok = row_ok[:, None]
+            x_ok = tok_ok[:, None]
+        else:
+            w_ok = row_ok[:, None] & (byte[None, :] < KB)
+            x_ok = tok_ok[:, None] & (col[None, :] < K)
+        packed = tl.load(w_rows + byte[None, :], mask=w_ok, other=0)
+        zero = tl.reshape(tl.broadcast_to(zero0[:, :, None], (BLOCK_N, GPS, HALF)), (BLOCK_N, BKB))
+        scale = tl.reshape(tl.broadcast_to(scale0[:, :, None], (BLOCK_N, GPS, HALF)),
+                           (BLOCK_N, BKB))
+        w_lo, w_hi = _dequantize(_mma_order(packed, BLOCK_N, BKB), _mma_order(zero, BLOCK_N, BKB),
+                                 _mma_order(scale, BLOCK_N, BKB), MODE, ASM)
+        # Even columns of x meet the low nibbles, odd ones the high nibbles.
+        xv = tl.load(x_rows + col[None, :], mask=x_ok, other=0.0).to(w_lo.dtype)
+        x_even, x_odd = tl.split(tl.reshape(xv, (BLOCK_T, BKB, 2)))
+        acc = _dot(w_lo, tl.trans(_mma_order(x_even, BLOCK_T, BKB)), acc, MODE)
+        acc = _dot(w_hi, tl.trans(_mma_order(x_odd, BLOCK_T, BKB)), acc, MODE)
+        zero0, scale0 = zero1, scale1
+    _finish(tl.trans(acc), toks, rows, tok_ok, row_ok, T, N, tile, split, splits, bias_ptr,
+            y_ptr, partial_ptr, counter_ptr, HAS_BIAS, SPLIT)
+
+
+@triton.jit(do_not_specialize=["T", "splits"])
+def _sum_splits(partial_ptr, bias_ptr, y_ptr, T, N, splits, HAS_BIAS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    plane = T.to(tl.int64) * N
+    mask = offs < plane
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(partial_ptr + s * plane + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --- launch ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """How one Int4Gemm call is launched: ``block_t`` tokens x ``block_n`` output rows per
+    program (both >= 16: the dot's tile), ``block_k`` columns per loop step (a multiple of 128
+    and of the group size); ``split_k`` programs share a row block's K range and ``reduce``
+    ("kernel" | "last") says who adds their partial sums; ``max_registers`` caps the registers
+    of a thread (so that a given number of programs fits on an SM; None: the compiler's
+    choice)."""
+    block_t: int
+    block_n: int
+    split_k: int = 1
+    reduce: str = "kernel"
+    num_warps: int = 4
+    num_stages: int = 3
+    block_k: int = 256
+    max_registers: int | None = None
+
+
+def supports(group_size: int) -> bool:
+    """Group sizes the kernels take: powers of two 32..256 (a dot's K is at least 16; both
+    nibbles of a byte, and a 32-bit word's 8, share a group). Others run the reference."""
+    return 32 <= group_size <= 256 and group_size & (group_size - 1) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k_for(tiles: int, steps: int, slots: int, tokens: int, k: int,
+                min_steps: int = 2) -> int:
+    """K splits for a decode launch of ``tiles`` row blocks: as many as fill ``slots`` programs
+    (the programs the SMs hold at once: one wave), keeping at least
+    ``min_steps`` loop steps per split (shorter splits spend more on partial sums and loop
+    ramp-up than they gain) and the fp32 partial sums (``split * T * N * 4`` bytes, written
+    then read) under a quarter of the packed weight (``N * K / 2``): ``K / (32 T)`` splits."""
+    most = max(1, min(steps // min_steps, k // (32 * tokens)))
+    return max(1, min(slots // tiles, most))
+
+
+def block_k_for(k: int, group_size: int) -> int:
+    """Columns per loop step: whole groups, a multiple of 128 (the dot's column order works on
+    64-byte blocks), 256 where it divides K (128 contiguous bytes of each row per step)."""
+    base = 256 if k % 256 == 0 or k % 128 else 128
+    return max(base, group_size)
+
+
+def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132) -> Plan:
+    """The launch measured fastest for ``[tokens, k] @ [n, k].T`` on an H200 (2026-12-02,
+    docs/gpu-kernels.md; ``benchmark.py`` times the alternatives)."""
+    block_k = block_k_for(k, group_size)
+    if tokens <= 16:
+        # Decode (memory-bound): 1..16 tokens are one 16-wide tile; 64 rows per program (one
+        # warpgroup; 168 registers a thread: three programs per SM), 256 columns (128
+        # contiguous bytes of each row) per step. K is split until the programs fill the SMs
+        # once; the last program of a row block adds the partial sums (one launch). On the
+        # Llama-7B projections it took 5-17% less time than 128-row programs (two warpgroups,
+        # two per SM) and 18-36% less than 128-column steps.
+        split = split_k_for(-(-n // 64), -(-k // block_k), 3 * sm_count, tokens, k)
+        return Plan(16, 64, split, reduce="last", num_warps=4, num_stages=3, block_k=block_k)
+    # Prefill (compute-bound): 64 tokens x 128 rows, one group (128 columns) per step; it took
+    # 16-34% less time than 128 x 128 tiles with 8 warps.
+    return Plan(64, 128, 1, num_warps=4, num_stages=3, block_k=max(128, group_size))
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per row block, for ``reduce="last"``: kept per device and
+    stream (each call leaves them zero again), grown when a launch needs more."""
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    counters = _counters.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _counters[key] = counters
+    return counters
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter runs no inline PTX: the dot kernel then dequantizes in portable
+    ops."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _dot_mode(x: torch.Tensor) -> int:
+    if x.dtype == torch.float16:
+        return FP16
+    if x.dtype == torch.bfloat16 and x.is_cuda:
+        return BF16
+    return FP32
+
+
+def check_plan(plan: Plan) -> None:
+    if plan.reduce not in ("kernel", "last") or plan.split_k < 1 \
+            or min(plan.block_t, plan.block_n) < 16 or plan.block_k % 128:
+        raise ValueError(f"Int4Gemm plan {plan}: reduce kernel | last, split_k >= 1, block_t "
+                         f"and block_n >= 16, block_k a multiple of 128")
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              bias: torch.Tensor | None = None, *, group_size: int, in_features: int,
+              out_features: int, plan: Plan | None = None, out: torch.Tensor | None = None,
+              workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [..., N] = x @ dequantize(W).T + bias`` (shapes as `reference.check_shapes` accepts
+    them, ``supports(group_size)``); ``plan`` overrides `default_plan` (the benchmark's
+    variants). ``out`` (contiguous ``[T, N]`` in x's dtype) and ``workspace`` (contiguous fp32,
+    at least ``split_k * T * N`` elements) are used instead of allocating them when given."""
+    k, n = in_features, out_features
+    x2 = x.reshape(-1, k).contiguous()
+    tokens = x2.shape[0]
+    y = out if out is not None else torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    if tuple(y.shape) != (tokens, n) or y.dtype != x.dtype or not y.is_contiguous():
+        raise ValueError(f"Int4Gemm: out must be a contiguous {x.dtype} [{tokens}, {n}], got "
+                         f"{y.dtype} {list(y.shape)}")
+    if tokens == 0 or n == 0:
+        return y.view(*x.shape[:-1], n)
+    groups = scales.shape[1]
+    if plan is None:
+        sms = 132
+        if x.is_cuda:
+            sms = _sm_count(x.device.index if x.device.index is not None
+                            else torch.cuda.current_device())
+        plan = default_plan(tokens, n, k, group_size, sms)
+    check_plan(plan)
+    block_k = max(plan.block_k, group_size)
+    split = NO_SPLIT
+    partial = y
+    counters = y
+    tiles = triton.cdiv(tokens, plan.block_t) * triton.cdiv(n, plan.block_n)
+    if plan.split_k > 1:
+        split = SPLIT_LAST_SUMS if plan.reduce == "last" else SPLIT_THEN_KERNEL
+        partial = workspace if workspace is not None else torch.empty(
+            plan.split_k * tokens * n, dtype=torch.float32, device=x.device)
+        if partial.dtype != torch.float32 or not partial.is_contiguous() \
+                or partial.numel() < plan.split_k * tokens * n:
+            raise ValueError(f"Int4Gemm: workspace must be contiguous fp32 with at least "
+                             f"{plan.split_k * tokens * n} elements")
+        if split == SPLIT_LAST_SUMS:
+            counters = _arrival_counters(x.device, tiles)
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    bias_arg = bias.contiguous() if bias is not None else scales   # unread when HAS_BIAS is off
+    grid = (tiles, plan.split_k)
+    mode = _dot_mode(x)
+    steps = triton.cdiv(k, block_k)
+    launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.max_registers:
+        launch["maxnreg"] = plan.max_registers
+    # K/2 is passed on its own so that Triton sees the row stride's divisibility by 16 (16-byte
+    # weight loads); derived in the kernel from K it is only known to be even.
+    _int4_dot[grid](x2, qweight, scales, zeros, bias_arg, y, partial, counters, tokens, n, k,
+                    k // 2, groups, -(-steps // plan.split_k), plan.split_k,
+                    GROUP=group_size, BLOCK_T=plan.block_t, BLOCK_N=plan.block_n, BLOCK_K=block_k,
+                    MODE=mode, ASM=mode != FP32 and not _interpreting(), EVEN_K=k % block_k == 0,
+                    HAS_BIAS=bias is not None, SPLIT=split, **launch)
+    if split == SPLIT_THEN_KERNEL:
+        block = 1024
+        _sum_splits[(triton.cdiv(tokens * n, block),)](partial, bias_arg, y, tokens, n,
+                                                       plan.split_k, HAS_BIAS=bias is not None,
+                                                       BLOCK=block)
+    return y.view(*x.shape[:-1], n)

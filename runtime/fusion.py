@@ -1,0 +1,169 @@
+"""Kernel fusion for the CUDA executor: node patterns of a trtc graph replaced by one Triton
+kernel each, at load time. The artifact is not changed; each fused node computes exactly what
+its nodes compute one after the other (tests run both and compare).
+
+A decode step of a small model costs about as much per kernel as per byte of weights, so the
+executor runs fewer, larger kernels:
+
+* ``Add -> RMSNormalization`` (a residual add and the norm that reads its sum) becomes
+  ``AddRMSNorm``: both outputs in one pass over the row.
+* ``Split(qkv) -> [Unsqueeze -> RotaryEmbedding -> Squeeze] x2 -> PagedAttention`` becomes
+  ``QKVRotaryCacheWrite`` (rotate q; rotate k and write it and v into their cache slots) followed by
+  ``PagedAttentionCached`` (the plugin's attention over a cache that already holds the new
+  tokens). Two rotary kernels, the copies of the strided q/k/v slices and the plugin's own
+  cache-write kernel collapse into one.
+
+A pattern that does not match exactly (other consumers of an intermediate, other attributes) is
+left as it is.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from trtc.runtime.torch_ops import OPS, GraphNode, _rms_norm
+
+RUNTIME_DOMAIN = "trtc.runtime"      # ops that exist only inside an executor, never in an artifact
+ADD_RMS_NORM = (RUNTIME_DOMAIN, "AddRMSNorm")
+QKV_ROTARY_CACHE_WRITE = (RUNTIME_DOMAIN, "QKVRotaryCacheWrite")
+PAGED_ATTENTION_CACHED = (RUNTIME_DOMAIN, "PagedAttentionCached")
+
+
+def _add_rms_norm(x, attrs):
+    a, b, weight = x
+    if a.shape != b.shape or attrs.get("axis", -1) % a.dim() != a.dim() - 1 or attrs.get("stash_type", 1) != 1:
+        total = a + b                       # a broadcasting Add: the two ops as they are
+        return [total, _rms_norm([total, weight], attrs)[0]]
+    from trtc.runtime import triton_ops
+    return list(triton_ops.add_rms_norm(a, b, weight, attrs.get("epsilon", 1e-5)))
+
+
+def _qkv_rotary_cache_write(x, attrs):
+    qkv, cos, sin, positions, kv_cache, slot_mapping = x
+    from trtc.runtime import triton_ops
+    return [triton_ops.qkv_rotary_write(qkv, cos, sin, positions, kv_cache, slot_mapping,
+                                        attrs["num_heads"], attrs["num_kv_heads"],
+                                        attrs.get("k_scale", 1.0), attrs.get("v_scale", 1.0))]
+
+
+def _paged_attention_cached(x, attrs):
+    query, kv_cache, block_tables, context_lens, query_start_loc = x
+    from trtc.plugins.paged_attention.triton_kernels import paged_attention
+    out, cache = paged_attention(query, None, None, kv_cache, None, block_tables, context_lens,
+                                 query_start_loc, num_heads=attrs["num_heads"],
+                                 num_kv_heads=attrs["num_kv_heads"], head_dim=attrs["head_dim"],
+                                 scale=attrs["scale"], sliding_window=attrs.get("sliding_window", 0),
+                                 k_scale=attrs.get("k_scale", 1.0), v_scale=attrs.get("v_scale", 1.0),
+                                 write_kv=False)
+    return [out, cache]
+
+
+OPS.update({ADD_RMS_NORM: _add_rms_norm, QKV_ROTARY_CACHE_WRITE: _qkv_rotary_cache_write,
+            PAGED_ATTENTION_CACHED: _paged_attention_cached})
+
+
+class _Graph:
+    """Who produces and who reads each tensor, for the pattern checks."""
+
+    def __init__(self, nodes: list[GraphNode], constants: set[str], outputs: set[str]):
+        self.nodes = nodes
+        self.constants = constants
+        self.readers: dict[str, list[int]] = {}
+        for i, n in enumerate(nodes):
+            for name in n.inputs:
+                self.readers.setdefault(name, []).append(i)
+        self.producer = {o: i for i, n in enumerate(nodes) for o in n.outputs}
+        self.graph_outputs = outputs
+
+    def only_reader(self, tensor: str) -> int | None:
+        readers = self.readers.get(tensor, [])
+        return readers[0] if len(readers) == 1 and tensor not in self.graph_outputs else None
+
+    def op(self, i: int | None) -> tuple[str, str] | None:
+        return None if i is None else self.nodes[i].op
+
+
+def _fuse_add_rms_norm(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
+    count = 0
+    for i, n in enumerate(g.nodes):
+        if n.op != ("", "Add") or i in replaced or any(t in g.constants for t in n.inputs):
+            continue
+        norms = [j for j in g.readers.get(n.outputs[0], []) if g.op(j) == ("", "RMSNormalization")
+                 and g.nodes[j].inputs[0] == n.outputs[0] and j not in replaced]
+        if not norms:
+            continue
+        norm = g.nodes[norms[0]]
+        replaced[i] = GraphNode(ADD_RMS_NORM, [*n.inputs, norm.inputs[1]], [n.outputs[0], norm.outputs[0]],
+                                norm.attrs)
+        replaced[norms[0]] = None
+        count += 1
+    return count
+
+
+def _rotary_chain(g: _Graph, tensor: str) -> tuple[list[int], str, GraphNode] | None:
+    """``tensor -> Unsqueeze(0) -> RotaryEmbedding -> Squeeze(0)``: the three nodes, the output
+    name and the rotary node, if ``tensor`` feeds exactly that chain."""
+    u = g.only_reader(tensor)
+    if g.op(u) != ("", "Unsqueeze"):
+        return None
+    r = g.only_reader(g.nodes[u].outputs[0])
+    if g.op(r) != ("", "RotaryEmbedding") or g.nodes[r].inputs[0] != g.nodes[u].outputs[0]:
+        return None
+    rot = g.nodes[r]
+    if rot.attrs.get("interleaved", 0) or len(rot.inputs) < 4:
+        return None
+    sq = g.only_reader(rot.outputs[0])
+    if g.op(sq) != ("", "Squeeze"):
+        return None
+    return [u, r, sq], g.nodes[sq].outputs[0], rot
+
+
+def _fuse_qkv_rotary(g: _Graph, replaced: dict[int, GraphNode | None], axis_values: dict[str, list[int]]) -> int:
+    count = 0
+    for i, n in enumerate(g.nodes):
+        if n.op != ("", "Split") or len(n.outputs) != 3 or i in replaced:
+            continue
+        q_name, k_name, v_name = n.outputs
+        chains = _rotary_chain(g, q_name), _rotary_chain(g, k_name)
+        if None in chains:
+            continue
+        (q_nodes, q_rot, q_rope), (k_nodes, k_rot, k_rope) = chains
+        attn_i = g.only_reader(q_rot)
+        if g.op(attn_i) != ("trtc", "PagedAttention") or attn_i in replaced:
+            continue
+        attn = g.nodes[attn_i]
+        a = attn.attrs
+        heads, kv_heads, head_dim = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+        sizes = axis_values.get(n.inputs[1]) if len(n.inputs) > 1 else None
+        if (attn.inputs[:3] != [q_rot, k_rot, v_name] or g.only_reader(k_rot) != attn_i
+                or g.only_reader(v_name) != attn_i or n.attrs.get("axis", 0) not in (-1, 1)
+                or sizes != [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+                or q_rope.inputs[1:4] != k_rope.inputs[1:4]
+                or any(axis_values.get(g.nodes[j].inputs[1]) != [0] for j in (q_nodes[0], q_nodes[2], k_nodes[0], k_nodes[2]))
+                or q_rope.attrs.get("num_heads") != heads or k_rope.attrs.get("num_heads") != kv_heads
+                or q_rope.attrs.get("rotary_embedding_dim", 0) not in (0, head_dim)
+                or k_rope.attrs.get("rotary_embedding_dim", 0) not in (0, head_dim)):
+            continue
+        cos, sin, positions = q_rope.inputs[1:4]
+        cache, slot_mapping, block_tables, context_lens, query_start_loc = attn.inputs[3:8]
+        replaced[i] = GraphNode(QKV_ROTARY_CACHE_WRITE,
+                                [n.inputs[0], cos, sin, positions, cache, slot_mapping], [q_rot], a)
+        for j in q_nodes + k_nodes:
+            replaced[j] = None
+        replaced[attn_i] = GraphNode(PAGED_ATTENTION_CACHED,
+                                     [q_rot, cache, block_tables, context_lens, query_start_loc],
+                                     attn.outputs, a)
+        count += 1
+    return count
+
+
+def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str]) -> tuple[list[GraphNode], Counter]:
+    """The node list with the patterns above fused, and how many of each were fused."""
+    # Axes and split sizes are small integer constants, kept on the host (torch_executor._to_torch).
+    axis_values = {k: [int(x) for x in v.reshape(-1).tolist()] for k, v in constants.items()
+                   if v.dtype.is_floating_point is False and v.numel() <= 8 and v.device.type == "cpu"}
+    g = _Graph(nodes, set(constants), graph_outputs)
+    replaced: dict[int, GraphNode | None] = {}
+    counts = Counter(qkv_rotary_cache_write=_fuse_qkv_rotary(g, replaced, axis_values),
+                     add_rms_norm=_fuse_add_rms_norm(g, replaced))
+    fused = [replaced.get(i, n) for i, n in enumerate(nodes)]
+    return [n for n in fused if n is not None], counts

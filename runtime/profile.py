@@ -1,0 +1,117 @@
+"""Where a decode step's GPU time goes: the CUDA executor's captured decode graph timed on its own
+(no host work), against the bandwidth floor, and the kernels of the same step with their device
+times (torch.profiler on an eager run of the step; a graph replays the same kernels).
+
+    python -m trtc.runtime.profile ARTIFACT [--batch 1,64] [--context 256] [--unfused] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+from trtc.runtime.step import SequenceWork, make_step
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.randn(int(gib * 2**30) // 4, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (_median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def _median_ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def decode_step(executor, batch: int, context: int) -> dict[str, torch.Tensor]:
+    """``batch`` sequences of ``context`` cached tokens, one new token each, on disjoint blocks."""
+    bs = executor.block_size
+    per_seq = -(-(context + 1) // bs)
+    if batch * per_seq > executor.num_blocks:
+        raise SystemExit(f"the KV pool ({executor.num_blocks} blocks) is too small for {batch} x {context}")
+    work = [SequenceWork([1 + b], context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
+    return make_step(work, bs)
+
+
+def kernel_table(executor, step: dict[str, torch.Tensor]) -> tuple[list[tuple[str, int, float]], float]:
+    """``[(kernel, launches, total device us)]`` of one eager step, most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+    inputs = {k: v.to(executor.device) for k, v in step.items()}
+    executor.forward(inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        executor.forward(inputs)
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    rows = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])
+    return rows, sum(t for _, _, t in rows)
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    from trtc.runtime.cuda_executor import CudaExecutor
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("artifact")
+    p.add_argument("--batch", default="1,64")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--unfused", action="store_true", help="run the graph as compiled (no kernel fusion)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    ex = CudaExecutor(args.artifact, max_graph_batch=max(batches), fuse_kernels=not args.unfused,
+                      memory_fraction=0.5)
+    manifest = ex.manifest
+    bw = copy_bandwidth()
+    # A decode step reads every weight once, except the embedding table (only its rows), unless
+    # the LM head is that table.
+    wb = manifest["graph"]["weight_bytes"]
+    tied = manifest["model"]["tie_word_embeddings"]
+    weight_bytes = wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
+    kv_per_token = manifest["kv_cache"]["bytes_per_token"]
+    print(f"{manifest['name']}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
+          f"{weight_bytes / 1e9:.2f} GB, fusions {ex.fusions or 'none'}")
+    report = {"copy_bandwidth": bw, "fusions": ex.fusions, "steps": []}
+    for batch in batches:
+        step = decode_step(ex, batch, args.context)
+        graph, inputs, logits = ex.graphs[next(b for b in sorted(ex.graphs) if b >= batch)]
+        inputs.load(step)
+        graph_ms = _median_ms(graph.replay)
+        step_ms = _median_ms(lambda: ex.execute(step).argmax(-1).tolist())   # + loading and token ids back
+        floor_ms = (weight_bytes + batch * (args.context + 1) * kv_per_token) / bw * 1e3
+        rows, kernel_us = kernel_table(ex, step)
+        launches = sum(c for _, c, _ in rows)
+        print(f"\nbatch {batch}, context {args.context}: graph replay {graph_ms * 1e3:.0f} us, floor "
+              f"{floor_ms * 1e3:.0f} us ({graph_ms / floor_ms:.2f}x); execute + argmax to host "
+              f"{step_ms * 1e3:.0f} us; {launches} kernels, {kernel_us:.0f} us of kernel time "
+              f"(gaps {graph_ms * 1e3 - kernel_us:.0f} us)")
+        for name, count, us in rows[:14]:
+            print(f"  {us:8.1f} us  {count:4d} x  {name[:90]}")
+        report["steps"].append({"batch": batch, "context": args.context, "graph_us": graph_ms * 1e3,
+                                "execute_us": step_ms * 1e3,
+                                "floor_us": floor_ms * 1e3, "kernels": launches, "kernel_us": kernel_us,
+                                "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
