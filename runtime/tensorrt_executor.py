@@ -173,7 +173,7 @@ class TensorRTExecutor:
         if engine["backend"] == "tensorrt":
             from trtc.plugins.tensorrt import register_plugins
             register_plugins(trt)          # Python plugins live in this process, not in the plan
-        from trtc.compiler.backends.tensorrt_full import make_logger
+        from trtc.compiler.backends.tensorrt_rtx import make_logger
         messages: list[str] = []
         self._logger = make_logger(trt, engine["backend"], log.warning, messages)
         self._runtime = trt.Runtime(self._logger)

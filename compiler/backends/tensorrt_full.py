@@ -23,6 +23,7 @@ import onnx
 
 from trtc.compiler import artifact
 from trtc.compiler.artifact import sha256_file
+from trtc.compiler.backends.tensorrt_rtx import make_logger
 from trtc.compiler.contract import MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, kv_input_name, kv_output_name
 from trtc.compiler.errors import BuildError, ConfigError
 from trtc.compiler.targets import architecture_profiles
@@ -147,23 +148,6 @@ def timing_cache_path(target: str, trt_version: str, hardware_compatibility: str
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtc"
     suffix = "" if hardware_compatibility == "none" else f"-{hardware_compatibility}"
     return Path(root) / "timing" / f"{target}-{BACKEND}-{trt_version}{suffix}.cache"
-
-
-def make_logger(trt, label: str, log: Callable[[str], None], messages: list[str]):
-    """A TensorRT logger that keeps errors (for the error message) and passes warnings on."""
-
-    class Logger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-
-        def log(self, severity, msg):
-            if severity in (trt.ILogger.INTERNAL_ERROR, trt.ILogger.ERROR):
-                messages.append(msg)
-                log(f"{label} error: {msg}")
-            elif severity == trt.ILogger.WARNING:
-                log(f"{label} warning: {msg}")
-
-    return Logger()
 
 
 def _load_timing_cache(config, path: Path, log) -> None:

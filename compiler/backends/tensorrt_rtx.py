@@ -72,8 +72,11 @@ def _dtype_name(trt, dtype) -> str:
     return names.get(dtype, str(dtype).removeprefix("DataType."))
 
 
-def _logger(trt, log: Callable[[str], None], messages: list[str]):
-    """A TensorRT logger that keeps errors for the BuildError and passes warnings on."""
+def make_logger(trt, label: str, log: Callable[[str], None], messages: list[str],
+                ignore: tuple[str, ...] = ()):
+    """A TensorRT (or TensorRT-RTX: the same API) logger that keeps errors in ``messages`` for
+    the error raised afterwards and passes warnings on, except those containing an ``ignore``
+    text."""
 
     class Logger(trt.ILogger):
         def __init__(self):
@@ -82,9 +85,9 @@ def _logger(trt, log: Callable[[str], None], messages: list[str]):
         def log(self, severity, msg):
             if severity in (trt.ILogger.INTERNAL_ERROR, trt.ILogger.ERROR):
                 messages.append(msg)
-                log(f"tensorrt-rtx error: {msg}")
-            elif severity == trt.ILogger.WARNING and "Make sure input" not in msg:
-                log(f"tensorrt-rtx warning: {msg}")
+                log(f"{label} error: {msg}")
+            elif severity == trt.ILogger.WARNING and not any(t in msg for t in ignore):
+                log(f"{label} warning: {msg}")
 
     return Logger()
 
@@ -160,7 +163,7 @@ def build_rtx_engines(lowered: onnx.ModelProto, out_dir: Path, targets: list[str
     out_dir = Path(out_dir)
     (out_dir / ENGINE_DIR).mkdir(parents=True, exist_ok=True)
     messages: list[str] = []
-    logger = _logger(trt, log, messages)
+    logger = make_logger(trt, BACKEND, log, messages, ignore=("Make sure input",))
     builder = trt.Builder(logger)
     records = []
     with tempfile.TemporaryDirectory(prefix="trtc-rtx-") as tmp:
