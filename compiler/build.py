@@ -170,7 +170,7 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
                 quantized = quantize_model(
                     loaded.hf_model, loaded.tokenizer, q.method, q.group_size, q.calibration.path,
                     q.calibration.num_samples, q.calibration.seq_len, act_order=q.act_order,
-                    partial_groups=q.partial_groups)
+                    partial_groups=q.partial_groups, log=progress.update)
                 rec = quantized.record()
                 done["detail"] = (f"{rec['num_linears_quantized']} linears, "
                                   f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "

@@ -38,18 +38,34 @@ class Progress:
         status = self.console.status(f"[bold]{name}[/]: {description}") if self.interactive and not self.quiet else None
         if status:
             status.start()
+        self._status = (name, status)
         try:
             yield done
         except BaseException:
             if status:
                 status.stop()
+            self._status = None
             self.log(f"{name}: failed after {time.perf_counter() - start:.1f}s")
             raise
+        self._status = None
         if status:
             status.stop()
         detail = f" — {done['detail']}" if done["detail"] else ""
         mark = "✓ " if self.interactive else ""
         self.log(f"{mark}{name}: done in {time.perf_counter() - start:.1f}s{detail}")
+
+    def update(self, message: str) -> None:
+        """Progress inside the running stage (a long one: calibration layer by layer): the live
+        status line on a terminal, a log line otherwise; always in build.log."""
+        if self._status is None:
+            self.log(message)
+            return
+        name, status = self._status
+        if status is not None:
+            self.lines.append(f"{datetime.now(timezone.utc).strftime('%H:%M:%S')} {name}: {message}")
+            status.update(f"[bold]{name}[/]: {message}")
+        else:
+            self.log(f"{name}: {message}")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"

@@ -71,6 +71,10 @@ def test_every_projection_is_a_plugin_node(quantized_artifacts, method, op):
         assert q["calibration"]["num_samples"] == 4 and len(q["calibration"]["text_sha256"]) == 64
     assert m["fusions"]["per_layer"]["0"]["qkv_gemm"] == 1 and m["fusions"]["per_layer"]["0"]["swiglu"] == 1
     assert any(p["op_type"] == op for p in m["plugins"])
+    # Calibrated methods report each decoder layer while the long quantize stage runs.
+    log = (art / "build.log").read_text()
+    for i in (1, 2):
+        assert (f"quantize: {method}: layer {i}/2 in " in log) == (method != "rtn")
 
 
 def check_matches_transformers(hf, art):
