@@ -139,7 +139,6 @@ def build_rtx(proto: onnx.ModelProto, manifest: dict, cfg: BuildConfig, staging:
     contract = SlotContract.from_manifest(manifest, seq_len).to_manifest()
     for r in records:
         r["contract"] = contract
-        r["build_time_s"] = r.pop("build_seconds")
     return records
 
 

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import onnx
 
 from trtc.compiler import artifact
-from trtc.compiler.artifact import sha256_file
-from trtc.compiler.backends.tensorrt_rtx import make_logger
+from trtc.compiler.backends.tensorrt_rtx import build_plan, engine_record, make_logger, network_io, parse_network
 from trtc.compiler.contract import MAX_BLOCKS, NUM_BLOCKS, NUM_SEQS, NUM_TOKENS, kv_input_name, kv_output_name
 from trtc.compiler.errors import BuildError, ConfigError
 from trtc.compiler.targets import architecture_profiles
@@ -177,24 +175,14 @@ def build_tensorrt_engines(model: onnx.ModelProto, out_dir: Path, targets: list[
     that level) from the paged graph; one manifest record per target."""
     trt = import_trt()
     check_targets(targets, hardware_compatibility)
-    from trtc.compiler.backends.tensorrt_rtx import network_io
     from trtc.plugins.tensorrt import register_plugins, rules
     register_plugins(trt)
-    profiles = architecture_profiles()
     gpu_name, _ = local_gpu()
     messages: list[str] = []
-    logger = make_logger(trt, "tensorrt", log, messages)
+    logger = make_logger(trt, BACKEND, log, messages)
     builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
     with tempfile.TemporaryDirectory(prefix="trtc-trt-") as tmp:    # kept until the builds end
-        path = Path(tmp) / "model.onnx"      # weights beside it: the 2 GB protobuf limit does not apply
-        onnx.save_model(prepare_graph(model), str(path), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
-        if not parser.parse_from_file(str(path)):
-            errors = [parser.get_error(i).desc() for i in range(parser.num_errors)]
-            raise BuildError(f"backend {BACKEND}: the ONNX parser refused the graph: "
-                             + "; ".join(errors or messages or ["no message"]))
+        network, parser = parse_network(trt, builder, prepare_graph(model), Path(tmp), BACKEND)
         num_layers = manifest["kv_cache"]["num_layers"]
         aliases = {kv_output_name(i): kv_input_name(i) for i in range(num_layers)}
         outputs = {network.get_output(i).name for i in range(network.num_outputs)}
@@ -209,41 +197,27 @@ def build_tensorrt_engines(model: onnx.ModelProto, out_dir: Path, targets: list[
         shared = hardware_compatibility == "ampere_plus"
         records, plan_file = [], None
         for target in targets:
-            cc = profiles[target]["compute_capability"]
             rel = f"{ENGINE_DIR}/{'ampere_plus' if shared else target}.engine"
-            seconds = 0.0
-            if plan_file is None or not shared:
-                config = builder.create_builder_config()
-                profile = builder.create_optimization_profile()
-                for name, (lo, opt, hi) in shapes.items():
-                    profile.set_shape(name, lo, opt, hi)
-                config.add_optimization_profile(profile)
-                config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)   # KV cache in place
-                if shared:   # otherwise NONE, TensorRT's default: the fastest engine, for this GPU's cc
-                    config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+            if plan_file is None or not shared:     # one ampere_plus engine serves every target
                 cache_path = timing_cache_path(target, trt.__version__, hardware_compatibility, cache_dir)
-                _load_timing_cache(config, cache_path, log)
+
+                def configure(config, cache_path=cache_path):
+                    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)   # KV cache in place
+                    if shared:   # otherwise NONE, TensorRT's default: the fastest engine, for this GPU's cc
+                        config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+                    _load_timing_cache(config, cache_path, log)
+
                 log(f"tensorrt {trt.__version__}: building {rel} on {gpu_name} ...")
-                messages.clear()
-                t0 = time.perf_counter()
-                plan = builder.build_serialized_network(network, config)
-                seconds = time.perf_counter() - t0
-                if plan is None:
-                    raise BuildError(f"backend {BACKEND}: building the {target} engine failed: "
-                                     + ("; ".join(messages[-4:]) or "no message from TensorRT"))
+                plan, seconds, config = build_plan(builder, network, shapes, messages, BACKEND, target, configure)
                 _save_timing_cache(config, cache_path, log)
                 plan_file = Path(out_dir) / rel
                 plan_file.write_bytes(plan)
                 del plan
                 log(f"tensorrt: built {rel} in {seconds:.1f}s ({plan_file.stat().st_size / 1e6:.1f} MB)")
-            records.append({
-                "target": target, "compute_capability": cc, "backend": BACKEND, "trt_version": trt.__version__,
-                "precision": manifest["precision"], "kv_layout": KV_LAYOUT, "hardware_compatibility": hardware_compatibility,
-                "file": rel, "bytes": plan_file.stat().st_size, "sha256": sha256_file(plan_file),
-                "build_time_s": round(seconds, 2),
-                "profile": {n: {"min": list(lo), "opt": list(opt), "max": list(hi)} for n, (lo, opt, hi) in shapes.items()},
-                "io": io, "aliases": aliases,
-            })
+            else:
+                seconds = 0.0                       # the shared engine was built for the first target
+            records.append(engine_record(trt, target, BACKEND, manifest["precision"], KV_LAYOUT, rel, plan_file,
+                                         seconds, shapes, io, aliases, hardware_compatibility=hardware_compatibility))
         del parser, network                 # the parser owns the weights until the builds end
     return records
 

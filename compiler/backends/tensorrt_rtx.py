@@ -92,23 +92,58 @@ def make_logger(trt, label: str, log: Callable[[str], None], messages: list[str]
     return Logger()
 
 
-def parse_network(trt, builder, lowered: onnx.ModelProto, workdir: Path):
-    """Parse the lowered graph into a strongly typed network; parser errors become a BuildError.
-    Returns ``(network, parser)`` (the parser owns the weights: keep it until the build ends)."""
+def parse_network(trt, builder, model: onnx.ModelProto, workdir: Path, backend: str = BACKEND):
+    """Parse the graph into a strongly typed network; parser errors become a BuildError naming
+    each refused node. Returns ``(network, parser)`` (the parser owns the weights: keep it until
+    the build ends). Shared by both TensorRT backends (the same Python API)."""
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, builder.logger)
-    path = workdir / "lowered.onnx"   # weights beside it: the 2 GB protobuf limit does not apply
-    onnx.save_model(lowered, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="lowered.onnx.data", size_threshold=1024)
+    path = workdir / "model.onnx"     # weights beside it: the 2 GB protobuf limit does not apply
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024)
     if not parser.parse_from_file(str(path)):
         errors = []
         for i in range(parser.num_errors):
             e = parser.get_error(i)
             where = f"node {e.node()} ({e.node_name() or '?'}, {e.node_operator() or '?'})" if e.node() >= 0 else "graph"
             errors.append(f"{where}: {e.desc()}")
-        raise BuildError(f"backend {BACKEND}: the ONNX parser refused the lowered graph: "
+        raise BuildError(f"backend {backend}: the ONNX parser refused the graph: "
                          + "; ".join(errors or ["no message"]))
     return network, parser
+
+
+def build_plan(builder, network, shapes: dict[str, tuple[tuple, tuple, tuple]], messages: list[str],
+               backend: str, target: str, configure: Callable | None = None):
+    """One engine: a builder config with one optimization profile (``shapes``: min/opt/max per
+    input), ``configure(config)`` for the backend's own settings, then the build; a failed build
+    is a BuildError with the builder's last errors. Returns ``(plan, seconds, config)``."""
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in shapes.items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    if configure is not None:
+        configure(config)
+    messages.clear()
+    t0 = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - t0
+    if plan is None:
+        raise BuildError(f"backend {backend}: building the {target} engine failed: "
+                         + ("; ".join(messages[-4:]) or f"no message from {backend}"))
+    return plan, seconds, config
+
+
+def engine_record(trt, target: str, backend: str, precision: str, kv_layout: str, rel: str, path: Path,
+                  seconds: float, shapes: dict, io: dict, aliases: dict, **extra) -> dict:
+    """The manifest record of one built engine (both backends)."""
+    return {"target": target, "compute_capability": architecture_profiles()[target]["compute_capability"],
+            "backend": backend, "trt_version": trt.__version__, "precision": precision,
+            "kv_layout": kv_layout, **extra,
+            "file": rel, "bytes": path.stat().st_size, "sha256": sha256_file(path),
+            "build_time_s": round(seconds, 2),
+            "profile": {n: {"min": list(lo), "opt": list(opt), "max": list(hi)} for n, (lo, opt, hi) in shapes.items()},
+            "io": io, "aliases": aliases}
 
 
 def optimization_profile(network, limits: dict) -> dict[str, tuple[tuple, tuple, tuple]]:
@@ -186,35 +221,19 @@ def build_rtx_engines(lowered: onnx.ModelProto, out_dir: Path, targets: list[str
         io = network_io(trt, network, contract_shapes)
         for target in targets:
             cc = profiles[target]["compute_capability"]
-            config = builder.create_builder_config()
-            profile = builder.create_optimization_profile()
-            for name, (lo, opt, hi) in shapes.items():
-                profile.set_shape(name, lo, opt, hi)
-            config.add_optimization_profile(profile)
-            config.num_compute_capabilities = 1
-            config.set_compute_capability(getattr(trt.ComputeCapability, _capability_member(target)), 0)
+
+            def configure(config, target=target):
+                config.num_compute_capabilities = 1
+                config.set_compute_capability(getattr(trt.ComputeCapability, _capability_member(target)), 0)
+
             log(f"tensorrt-rtx: building {target} (compute capability {cc}) ...")
-            messages.clear()
-            t0 = time.perf_counter()
-            plan = builder.build_serialized_network(network, config)
-            seconds = time.perf_counter() - t0
-            if plan is None:
-                raise BuildError(f"backend {BACKEND}: building the {target} engine failed: "
-                                 + ("; ".join(messages[-4:]) or "no message from TensorRT-RTX"))
+            plan, seconds, _ = build_plan(builder, network, shapes, messages, BACKEND, target, configure)
             rel = f"{ENGINE_DIR}/{target}.engine"
             path = out_dir / rel
-            with open(path, "wb") as f:
-                f.write(plan)
+            path.write_bytes(plan)
             del plan
-            record = {
-                "target": target, "compute_capability": cc, "backend": BACKEND,
-                "trt_version": trt.__version__, "precision": precision, "kv_layout": slot.KV_LAYOUT,
-                "file": rel, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-                "build_seconds": round(seconds, 2),
-                "profile": {n: {"min": list(lo), "opt": list(opt), "max": list(hi)}
-                            for n, (lo, opt, hi) in shapes.items()},
-                "io": io, "aliases": aliases,
-            }
+            record = engine_record(trt, target, BACKEND, precision, slot.KV_LAYOUT, rel, path, seconds,
+                                   shapes, io, aliases)
             records.append(record)
             log(f"tensorrt-rtx: built {rel} in {seconds:.1f}s ({record['bytes'] / 1e6:.1f} MB)")
         del parser, network
