@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attention_cases import make_case
+from trtc.plugins import arrival_counters
 from trtc.plugins.paged_attention.reference import paged_attention as reference_attention, to_cache
 
 triton_kernels = pytest.importorskip("trtc.plugins.paged_attention.triton_kernels",
@@ -26,6 +27,9 @@ def check(seqs, heads, kv_heads, D, block_size, window=0, dtype=torch.float32, s
                      padding=padding)
     kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=D, scale=D ** -0.5, sliding_window=window)
     if kv_scales:
+        # The reference caches exactly the new K/V the kernel gets (rounded to ``dtype``): the
+        # cache bytes are compared bit for bit below.
+        ref.query, ref.key, ref.value = (t.float().cpu() for t in (kern.query, kern.key, kern.value))
         kw.update(k_scale=kv_scales[0], v_scale=kv_scales[1])
         fp8 = torch.empty(ref.kv_cache.shape, dtype=torch.float8_e4m3fn)
         for i, s in enumerate(kv_scales):
@@ -52,9 +56,14 @@ def test_mixed_prefill_and_decode(heads, kv_heads, block_size):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
-def test_decode_split_k(splits):
+@pytest.mark.parametrize("merge", ["last", "kernel"])
+def test_decode_split_k(splits, merge):
+    # merge="last": the last split to finish merges the partial results (one launch); "kernel":
+    # a second kernel does. Either way the arrival counters are left at zero for the next launch.
     seqs = [(70, 1), (5, 1), (33, 1), (0, 1)]
-    check(seqs, 8, 2, 16, 16, splits=splits, seed=splits, num_blocks=32)
+    check(seqs, 8, 2, 16, 16, splits=splits, seed=splits, num_blocks=32, merge=merge)
+    check([(70, 1), (5, 1)], 8, 2, 16, 16, splits=splits, seed=7, num_blocks=32, merge=merge, padding=0)
+    assert arrival_counters.all_zero()
 
 
 @pytest.mark.parametrize("splits,heads_first", [(1, False), (2, True), (4, False)])
@@ -65,6 +74,7 @@ def test_decode_only_step(splits, heads_first):
     check(seqs, 8, 2, 16, 16, splits=splits, seed=3 + splits, num_blocks=32, padding=0, heads_first=heads_first)
     check(seqs, 8, 2, 16, 16, splits=splits, seed=4, num_blocks=32, padding=0, window=20,
           heads_first=heads_first)
+
 
 
 def test_sliding_window():
@@ -116,3 +126,26 @@ def test_fp8_rounding_is_torchs_bit_for_bit():
     cast[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), got, x.numel(), BLOCK=1024)
     diff = got.cpu().view(torch.uint8) != want.view(torch.uint8)
     assert not diff.any(), f"{int(diff.sum())} differ, e.g. {x[diff][:5].tolist()}"
+
+
+@pytest.mark.gpu
+def test_gpu_decode_merge_in_a_cuda_graph():
+    """The default decode plan (splits merged by the last program) replayed in a CUDA graph: the
+    same output as a merge kernel on every replay (the arrival counters reset themselves)."""
+    seqs = [(1500 + 7 * i, 1) for i in range(32)]
+    case = make_case(seqs, 32, 4, 64, 16, 4096, seed=17, dtype=torch.float16, device="cuda", padding=0)
+    kw = dict(num_heads=32, num_kv_heads=4, head_dim=64, scale=0.125)
+    want, _ = triton_kernels.paged_attention(*case.args(), merge="kernel", write_kv=False, **kw)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        triton_kernels.paged_attention(*case.args(), write_kv=False, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, _ = triton_kernels.paged_attention(*case.args(), write_kv=False, **kw)
+    for _ in range(3):
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert arrival_counters.all_zero()

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.plugins.arrival_counters import arrival_counters
+
 # Dot operand modes: fp16, bf16, fp32 (fp32 activations; and bf16 ones in Triton's CPU
 # interpreter, whose bf16 arithmetic is not implemented).
 FP16, BF16, FP32 = 0, 1, 2
@@ -328,20 +330,6 @@ def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 1
     return Plan(64, 128, 1, num_warps=4, num_stages=3, block_k=max(128, group_size))
 
 
-_counters: dict[tuple, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per row block, for ``reduce="last"``: kept per device and
-    stream (each call leaves them zero again), grown when a launch needs more."""
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    counters = _counters.get(key)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _counters[key] = counters
-    return counters
-
-
 def _interpreting() -> bool:
     """Triton's CPU interpreter runs no inline PTX: the dot kernel then dequantizes in portable
     ops."""
@@ -402,7 +390,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
             raise ValueError(f"Int4Gemm: workspace must be contiguous fp32 with at least "
                              f"{plan.split_k * tokens * n} elements")
         if split == SPLIT_LAST_SUMS:
-            counters = _arrival_counters(x.device, tiles)
+            counters = arrival_counters(x.device, tiles)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     bias_arg = bias.contiguous() if bias is not None else scales   # unread when HAS_BIAS is off
     grid = (tiles, plan.split_k)
