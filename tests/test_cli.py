@@ -100,8 +100,11 @@ def test_existing_output_needs_force(tmp_path):
 def test_interrupt_leaves_nothing(tmp_path):
     """Ctrl-C in the middle of a build: no artifact and no staging directory remain."""
     out = tmp_path / "art"
+    # A shell without job control starts background jobs with SIGINT ignored, and the child
+    # would inherit that: give it the default disposition, as an interactive terminal does.
     proc = subprocess.Popen([*TRTC, "build", str(write_config(tmp_path, TINY)), "-o", str(out)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:
         if "export" in line:           # the export stage has started
             break
