@@ -168,7 +168,8 @@ class LLMEngine:
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            picked = self.sampler.sample(logits[sampling], [s.params for s in seqs],
+            rows = logits if len(sampling) == len(batch) else logits[sampling]   # no gather when all sample
+            picked = self.sampler.sample(rows, [s.params for s in seqs],
                                          [self.generators[s.request_id] for s in seqs])
             for i, t in zip(sampling, picked):
                 tokens[i] = t

@@ -13,6 +13,10 @@ executor runs fewer, larger kernels:
   tokens). Two rotary kernels, the copies of the strided q/k/v slices and the plugin's own
   cache-write kernel collapse into one.
 
+* ``Gemm -> SwiGLU`` (the MLP's gate/up projection and its activation) becomes ``GemmSwiGLU``:
+  at a decode step's few tokens the GEMV (`runtime/triton_gemv.py`) ends in SwiGLU, one kernel
+  fewer per layer; otherwise the two ops as they are.
+
 A pattern that does not match exactly (other consumers of an intermediate, other attributes) is
 left as it is.
 """
@@ -20,12 +24,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from trtc.runtime.torch_ops import OPS, GraphNode, _rms_norm
+from trtc.runtime.torch_ops import OPS, GraphNode, _gemm, _rms_norm, _swiglu
 
 RUNTIME_DOMAIN = "trtc.runtime"      # ops that exist only inside an executor, never in an artifact
 ADD_RMS_NORM = (RUNTIME_DOMAIN, "AddRMSNorm")
 QKV_ROTARY_CACHE_WRITE = (RUNTIME_DOMAIN, "QKVRotaryCacheWrite")
 PAGED_ATTENTION_CACHED = (RUNTIME_DOMAIN, "PagedAttentionCached")
+GEMM_SWIGLU = (RUNTIME_DOMAIN, "GemmSwiGLU")
 
 
 def _add_rms_norm(x, attrs):
@@ -57,8 +62,18 @@ def _paged_attention_cached(x, attrs):
     return [out, cache]
 
 
+def _gemm_swiglu(x, attrs):
+    a, weight = x[0], x[1]
+    bias = x[2] if len(x) > 2 else None
+    if a.is_cuda:
+        from trtc.runtime import triton_gemv
+        if triton_gemv.supports(a, weight, swiglu=True) and (bias is None or bias.dtype == a.dtype):
+            return [triton_gemv.gemv(a, weight, bias, swiglu=True)]
+    return _swiglu(_gemm(x, attrs), {})
+
+
 OPS.update({ADD_RMS_NORM: _add_rms_norm, QKV_ROTARY_CACHE_WRITE: _qkv_rotary_cache_write,
-            PAGED_ATTENTION_CACHED: _paged_attention_cached})
+            PAGED_ATTENTION_CACHED: _paged_attention_cached, GEMM_SWIGLU: _gemm_swiglu})
 
 
 class _Graph:
@@ -156,6 +171,22 @@ def _fuse_qkv_rotary(g: _Graph, replaced: dict[int, GraphNode | None], axis_valu
     return count
 
 
+def _fuse_gemm_swiglu(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
+    count = 0
+    for i, n in enumerate(g.nodes):
+        a = n.attrs
+        if (n.op != ("", "Gemm") or i in replaced or not a.get("transB", 0) or a.get("transA", 0)
+                or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0):
+            continue
+        j = g.only_reader(n.outputs[0])
+        if g.op(j) != ("trtc", "SwiGLU") or j in replaced or g.nodes[j].inputs[0] != n.outputs[0]:
+            continue
+        replaced[i] = GraphNode(GEMM_SWIGLU, n.inputs, g.nodes[j].outputs, a)
+        replaced[j] = None
+        count += 1
+    return count
+
+
 def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str]) -> tuple[list[GraphNode], Counter]:
     """The node list with the patterns above fused, and how many of each were fused."""
     # Axes and split sizes are small integer constants, kept on the host (torch_executor._to_torch).
@@ -164,6 +195,7 @@ def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str]) -> tu
     g = _Graph(nodes, set(constants), graph_outputs)
     replaced: dict[int, GraphNode | None] = {}
     counts = Counter(qkv_rotary_cache_write=_fuse_qkv_rotary(g, replaced, axis_values),
-                     add_rms_norm=_fuse_add_rms_norm(g, replaced))
+                     add_rms_norm=_fuse_add_rms_norm(g, replaced),
+                     gemm_swiglu=_fuse_gemm_swiglu(g, replaced))
     fused = [replaced.get(i, n) for i, n in enumerate(nodes)]
     return [n for n in fused if n is not None], counts

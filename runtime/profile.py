@@ -2,7 +2,11 @@
 (no host work), against the bandwidth floor, and the kernels of the same step with their device
 times (torch.profiler on an eager run of the step; a graph replays the same kernels).
 
-    python -m trtc.runtime.profile ARTIFACT [--batch 1,64] [--context 256] [--unfused] [--json FILE]
+    python -m trtc.runtime.profile ARTIFACT [--batch 1,64] [--context 256] [--unfused] [--ab] [--json FILE]
+
+``--ab`` re-captures the graphs with programmatic dependent launch and the Triton GEMV each
+turned off and on (`trtc.plugins.pdl`, `runtime/triton_gemv.py`) and times every combination in
+the same run.
 """
 from __future__ import annotations
 
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", default="1,64")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--unfused", action="store_true", help="run the graph as compiled (no kernel fusion)")
+    p.add_argument("--ab", action="store_true",
+                   help="also time the graphs without PDL and/or with cuBLAS for the few-token projections")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -108,9 +114,38 @@ def main(argv: list[str] | None = None) -> None:
                                 "execute_us": step_ms * 1e3,
                                 "floor_us": floor_ms * 1e3, "kernels": launches, "kernel_us": kernel_us,
                                 "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]]})
+    if args.ab:
+        report["ab"] = ab_graph_times(ex, batches, args.context)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def ab_graph_times(ex, batches: list[int], context: int) -> list[dict]:
+    """Graph replay time per batch with PDL and the GEMV each on and off (graphs re-captured
+    for each; the last combination is the default again, so the spread shows the noise)."""
+    from trtc.plugins import pdl
+    from trtc.runtime import triton_gemv
+    default_gemv = triton_gemv.MAX_TOKENS
+    was = pdl.set_enabled(True)
+    rows = []
+    print(f"\nA/B (graph replay, us): batch {', '.join(map(str, batches))}")
+    for use_pdl, gemv in ((False, False), (True, False), (False, True), (True, True)):
+        pdl.set_enabled(use_pdl)
+        triton_gemv.MAX_TOKENS = default_gemv if gemv else 0
+        ex.capture_graphs()
+        times = []
+        for batch in batches:
+            graph, inputs, _ = ex.graphs[next(b for b in sorted(ex.graphs) if b >= batch)]
+            inputs.load(decode_step(ex, batch, context))
+            times.append(_median_ms(graph.replay) * 1e3)
+        rows.append({"pdl": use_pdl, "gemv": gemv, "graph_us": dict(zip(batches, times))})
+        print(f"  PDL {'on ' if use_pdl else 'off'}  projections {'GEMV  ' if gemv else 'cuBLAS'}: "
+              + ", ".join(f"{t:.0f}" for t in times))
+    pdl.set_enabled(was)
+    triton_gemv.MAX_TOKENS = default_gemv
+    ex.capture_graphs()
+    return rows
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ def _gemm(x, attrs):
     alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
     bias = x[2] if len(x) > 2 and x[2] is not None else None
     if attrs.get("transB", 0) and alpha == 1.0 and beta == 1.0:
+        if a.is_cuda:
+            from trtc.runtime import triton_gemv
+            if triton_gemv.supports(a, b) and (bias is None or bias.dtype == a.dtype):
+                return [triton_gemv.gemv(a, b, bias)]    # a decode step's few tokens
         return [F.linear(a, b, bias)]          # weights stay [out, in], as stored
     y = alpha * (a @ (b.t() if attrs.get("transB", 0) else b))
     return [y + beta * bias if bias is not None else y]

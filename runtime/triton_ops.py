@@ -8,17 +8,19 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.plugins import pdl
 from trtc.plugins.paged_attention.triton_kernels import to_cache
 
 
 @triton.jit
-def _rms_norm(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm(x_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask)             # a weight: read before the wait
+    pdl.begin(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask)
     # As the ONNX op with stash_type fp32: normalise in fp32, cast to X's type, scale.
     y = (x * rstd).to(x_ptr.dtype.element_ty) * w
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -28,14 +30,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(x2.shape, dtype=weight.dtype, device=x.device)
     n = x2.shape[1]
-    _rms_norm[(x2.shape[0],)](x2, weight, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    _rms_norm[(x2.shape[0],)](x2, weight, y, n, eps, BLOCK=triton.next_power_of_2(n),
+                              **pdl.launch_options(x.device))
     return y.view(x.shape)
 
 
 @triton.jit
 def _rotary(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, HEADS: tl.constexpr, HALF: tl.constexpr,
-            HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr):
+            HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr, PDL: tl.constexpr):
     """One token: all heads, non-interleaved halves, cos/sin tables indexed by position."""
+    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
     h = tl.arange(0, HEADS_P2)
@@ -59,12 +63,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     x = x.contiguous()
     y = torch.empty_like(x)
     _rotary[(tokens,)](x, cos, sin, positions.reshape(-1), y, HEADS=num_heads, HALF=half,
-                       HEADS_P2=triton.next_power_of_2(num_heads), HALF_P2=triton.next_power_of_2(half))
+                       HEADS_P2=triton.next_power_of_2(num_heads), HALF_P2=triton.next_power_of_2(half),
+                       **pdl.launch_options(x.device))
     return y
 
 
 @triton.jit
-def _swiglu(x_ptr, y_ptr, inner, BLOCK: tl.constexpr):
+def _swiglu(x_ptr, y_ptr, inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -79,7 +85,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     inner = x2.shape[1] // 2
     y = torch.empty(x2.shape[0], inner, dtype=x.dtype, device=x.device)
     block = 1024
-    _swiglu[(x2.shape[0], triton.cdiv(inner, block))](x2, y, inner, BLOCK=block)
+    _swiglu[(x2.shape[0], triton.cdiv(inner, block))](x2, y, inner, BLOCK=block,
+                                                             **pdl.launch_options(x.device))
     return y.view(*x.shape[:-1], inner)
 
 
@@ -87,18 +94,19 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 # (see runtime/fusion.py; each computes exactly what its nodes compute one after the other).
 
 @triton.jit
-def _add_rms_norm(a_ptr, b_ptr, w_ptr, sum_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _add_rms_norm(a_ptr, b_ptr, w_ptr, sum_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """ONNX Add (the residual) then RMSNormalization of the sum: both outputs, one pass."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask)             # a weight: read before the wait
+    pdl.begin(PDL)
     a = tl.load(a_ptr + row * n_cols + cols, mask=mask, other=0.0)
     b = tl.load(b_ptr + row * n_cols + cols, mask=mask, other=0.0)
     s = (a.to(tl.float32) + b.to(tl.float32)).to(sum_ptr.dtype.element_ty)    # Add's one rounding
     tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
     x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask)
     y = (x * rstd).to(sum_ptr.dtype.element_ty) * w
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -110,7 +118,8 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     total = torch.empty_like(a2)
     y = torch.empty(a2.shape, dtype=weight.dtype, device=a.device)
     n = a2.shape[1]
-    _add_rms_norm[(a2.shape[0],)](a2, b2, weight, total, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    _add_rms_norm[(a2.shape[0],)](a2, b2, weight, total, y, n, eps, BLOCK=triton.next_power_of_2(n),
+                                  **pdl.launch_options(a.device))
     return total.view(a.shape), y.view(a.shape)
 
 
@@ -124,9 +133,10 @@ def _rotate(x1, x2, c, s, out_ty: tl.constexpr):
 def _qkv_rotary_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, cache_ptr, qkv_stride,
                       cache_kv_stride, k_scale, v_scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                       HALF: tl.constexpr, HEADS_P2: tl.constexpr, KV_P2: tl.constexpr,
-                      HALF_P2: tl.constexpr, FP8: tl.constexpr):
+                      HALF_P2: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """One token of the merged QKV GEMM output: rotate q into ``q_ptr``, rotate k and write it
     and v into the token's cache slot (nothing when the slot is negative: padding)."""
+    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
     d = tl.arange(0, HALF_P2)
@@ -178,5 +188,6 @@ def qkv_rotary_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv, cos, sin, positions.reshape(-1), slot_mapping, q, kv_cache, qkv.stride(0), kv_cache.stride(0),
         k_scale, v_scale, HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=half,
         HEADS_P2=triton.next_power_of_2(num_heads), KV_P2=triton.next_power_of_2(num_kv_heads),
-        HALF_P2=triton.next_power_of_2(half), FP8=kv_cache.dtype == torch.float8_e4m3fn)
+        HALF_P2=triton.next_power_of_2(half), FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        **pdl.launch_options(qkv.device))
     return q

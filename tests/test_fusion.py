@@ -32,9 +32,10 @@ def run_steps(ex, steps):
 def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
     art = tiny_artifacts[name]
     plain, fused = TorchExecutor(art, 16, DEVICE), FusedExecutor(art, 16, DEVICE)
-    # 2 layers: q/k/v rotary + cache write per layer; every residual Add feeds a norm but the last.
-    assert fused.fusions == {"qkv_rotary_cache_write": 2, "add_rms_norm": 3}
-    assert len(fused.nodes) == len(plain.nodes) - 2 * 6 - 3
+    # 2 layers: q/k/v rotary + cache write per layer; every residual Add feeds a norm but the
+    # last; the gate/up projection and its SwiGLU per layer.
+    assert fused.fusions == {"qkv_rotary_cache_write": 2, "add_rms_norm": 3, "gemm_swiglu": 2}
+    assert len(fused.nodes) == len(plain.nodes) - 2 * 6 - 3 - 2
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
     steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]
@@ -68,7 +69,7 @@ def test_cuda_executor_fused_matches_unfused(tmp_path_factory, kv_dtype):
     art = build_quiet(cfg, tmp_path_factory.mktemp("fusion") / kv_dtype)
     plain = CudaExecutor(art, 64, fuse_kernels=False)
     fused = CudaExecutor(art, 64)
-    assert fused.fusions["qkv_rotary_cache_write"] == 2
+    assert fused.fusions["qkv_rotary_cache_write"] == 2 and fused.fusions["gemm_swiglu"] == 2
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
     steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(4)]

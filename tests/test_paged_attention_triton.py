@@ -55,7 +55,7 @@ def test_mixed_prefill_and_decode(heads, kv_heads, block_size):
     check(seqs, heads, kv_heads, 16, block_size, seed=heads + block_size)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
 @pytest.mark.parametrize("merge", ["last", "kernel"])
 def test_decode_split_k(splits, merge):
     # merge="last": the last split to finish merges the partial results (one launch); "kernel":

@@ -183,6 +183,14 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts):
         # The default plan once more, last: the spread between its two times is the noise.
         if default_calls is not None:
             rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
+            # And without programmatic dependent launch (trtc.plugins.pdl): what the overlap of
+            # one call's start with the previous call's tail is worth.
+            from trtc.plugins import pdl
+            was = pdl.set_enabled(False)
+            us = per_call_us(default_calls)
+            pdl.set_enabled(was)
+            rows.append({**base, "variant": "default, no PDL", "us": us,
+                         "fraction_of_copy_bw": packed / (us * 1e-6) / bw})
 
 
 def check_bf16(failures) -> list:
@@ -214,7 +222,9 @@ def summary(rows, bw):
         group = [r for r in rows if (r["n"], r["k"], r["tokens"]) == (n, k, tokens) and "us" in r]
         fp16 = next((r for r in group if r["variant"] == "torch fp16 matmul"), None)
         again = next((r for r in group if r["variant"] == "default (again)"), None)
-        ours = [r for r in group if r["variant"] not in ("torch fp16 matmul", "default (again)")]
+        no_pdl = next((r for r in group if r["variant"] == "default, no PDL"), None)
+        ours = [r for r in group if r["variant"] not in ("torch fp16 matmul", "default (again)",
+                                                          "default, no PDL")]
         if not ours or fp16 is None:
             continue
         best = min(ours, key=lambda r: r["us"])
@@ -225,7 +235,8 @@ def summary(rows, bw):
         print(f"{n:5d}x{k:<5d} {tokens:5d} | {default['us']:10.2f} {merit(default)} "
               f"{default['speedup_vs_fp16']:6.2f} | {best['variant']:38} {best['us']:8.2f} "
               f"{best['packed_GBps']:6.0f} {merit(best)} {best['speedup_vs_fp16']:6.2f} | "
-              f"{fp16['us']:8.2f}" + (f"  (default again {again['us']:.2f})" if again else ""))
+              f"{fp16['us']:8.2f}" + (f"  (default again {again['us']:.2f})" if again else "")
+              + (f"  (no PDL {no_pdl['us']:.2f})" if no_pdl else ""))
 
 
 def main() -> int:

@@ -158,6 +158,29 @@ def main() -> int:
     us = graph_time(fn)
     results["decode_default"] = {"plan": auto, "us": us, "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw}
     print(f"decode default plan {auto} (attention only): {us:.1f} us, {kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth")
+    # Back to back, as a decode step runs them (one launch per layer): 8 layers' caches, the
+    # calls captured in one graph, with and without programmatic dependent launch (the next
+    # launch overlaps the previous one's tail; trtc.plugins.pdl).
+    from trtc.plugins import pdl
+    layers = [step] + [make_decode_step(batch, context, H, KV, D, BS, torch.float16, seed=s) for s in range(1, 8)]
+    for on in (True, False):
+        was = pdl.set_enabled(on)
+        us = graph_time(lambda: [kernels.paged_attention(*s, write_kv=False, **kw) for s in layers]) / len(layers)
+        pdl.set_enabled(was)
+        results[f"decode_back_to_back_{'pdl' if on else 'no_pdl'}"] = {
+            "us_per_call": us, "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw}
+        print(f"decode default plan, {len(layers)} layers back to back, PDL {'on' if on else 'off'}: "
+              f"{us:.1f} us a call, {kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth")
+    # Batch 1 (a single request's decode), 8 layers back to back with PDL: the splits merged by
+    # the combine kernel or by the last split, at a short and a long context.
+    results["batch1"] = []
+    for ctx in (256, 2048):
+        one = [make_decode_step(1, ctx, H, KV, D, BS, torch.float16, seed=s) for s in range(8)]
+        for splits, merge in ((16, "kernel"), (16, "last"), (8, "last"), (8, "kernel"), (4, "last")):
+            us = graph_time(lambda: [kernels.paged_attention(*s, write_kv=False, num_splits=splits, merge=merge, **kw)
+                                     for s in one]) / len(one)
+            results["batch1"].append({"context": ctx, "splits": splits, "merge": merge, "us_per_call": us})
+            print(f"decode batch 1, context {ctx}, {splits} splits, merge {merge}: {us:.2f} us a call")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

@@ -14,7 +14,9 @@ Kernels:
 
 Which sequence a query tile belongs to is found in the kernel by a binary search over
 ``query_start_loc``, so the launch depends only on tensor shapes, never on their values: the step
-can be captured in a CUDA graph.
+can be captured in a CUDA graph. All three launch with programmatic dependent launch where the GPU
+has it (`trtc.plugins.pdl`; every access is to data an earlier kernel may write, so each waits
+first).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.plugins import pdl
 from trtc.plugins.arrival_counters import arrival_counters
 from trtc.plugins.paged_attention.reference import check_scales
 
@@ -59,7 +62,8 @@ def to_cache(x, scale, ty: tl.constexpr, FP8: tl.constexpr):
 
 @triton.jit
 def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride, k_scale, v_scale,
-              ROW: tl.constexpr, ROW_P2: tl.constexpr, FP8: tl.constexpr):
+              ROW: tl.constexpr, ROW_P2: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
@@ -98,8 +102,9 @@ def _paged_attention(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_Q: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
+    MERGE_LAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
     # HEADS_FIRST: the KV heads of one (tile, split) are neighbouring programs, so the rows of a
     # cache block (all KV heads of a position side by side) are read at about the same time.
     tile = tl.program_id(1 if HEADS_FIRST else 0)
@@ -193,15 +198,18 @@ def _paged_attention(
             if arrived == NUM_SPLITS - 1:
                 first = (row_token * NUM_HEADS + row_head) * NUM_SPLITS
                 out_mask = row_valid[:, None] & dim_ok[None, :]
+                # Only the splits that had positions to read: a short context leaves the rest
+                # empty (nothing in them to merge), and the merge costs a round trip per split.
+                used = tl.minimum(tl.cdiv(span, per_split), NUM_SPLITS)
                 m_max = tl.full([TILE_M], float("-inf"), tl.float32)
-                for s in range(NUM_SPLITS):
+                for s in range(used):
                     # .cg: read L2, not a stale L1 line of an earlier launch.
                     m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (first + s) * 2, mask=row_valid,
                                                       other=float("-inf"), cache_modifier=".cg"))
                 m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
                 total = tl.zeros([TILE_M], tl.float32)
                 merged = tl.zeros([TILE_M, HEAD_DIM_P2], tl.float32)
-                for s in range(NUM_SPLITS):     # split order, as `_combine`
+                for s in range(used):           # split order, as `_combine`
                     m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_valid, other=float("-inf"),
                                   cache_modifier=".cg")
                     l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_valid, other=0.0,
@@ -219,8 +227,9 @@ def _paged_attention(
 
 @triton.jit
 def _combine(part_acc_ptr, part_ml_ptr, out_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-             NUM_SPLITS: tl.constexpr):
+             NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Merge the splits of one (token, head) row: softmax-weighted sum of the partial results."""
+    pdl.begin(PDL)
     row = tl.program_id(0)
     splits = tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2)
@@ -276,9 +285,10 @@ def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, con
     block_size = kv_cache.shape[2]
     row = num_kv_heads * head_dim
     cache_kv_stride = kv_cache.stride(0)
+    launch = pdl.launch_options(query.device)
     if write_kv:
         _write_kv[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping, cache_kv_stride,
-                                 k_scale, v_scale, ROW=row, ROW_P2=_pow2(row), FP8=fp8)
+                                 k_scale, v_scale, ROW=row, ROW_P2=_pow2(row), FP8=fp8, **launch)
     p = plan(num_tokens, num_seqs, num_heads, num_kv_heads)
     splits = num_splits or p["splits"]
     out = torch.empty_like(query)
@@ -302,8 +312,8 @@ def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, con
         HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=block_size, TILE_Q=p["tile_q"],
         TILE_M=p["tile_m"], TILE_K=tile_k, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DECODE=p["decode"], HEADS_FIRST=heads_first,
-        MERGE_LAST=merge_last, num_warps=num_warps, num_stages=num_stages)
+        MERGE_LAST=merge_last, num_warps=num_warps, num_stages=num_stages, **launch)
     if splits > 1 and not merge_last:
         _combine[(num_tokens * num_heads,)](part_acc, part_ml, out, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2,
-                                            NUM_SPLITS=splits)
+                                            NUM_SPLITS=splits, **launch)
     return out, kv_cache
