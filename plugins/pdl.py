@@ -54,15 +54,20 @@ def _device_has_pdl(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched now on ``device`` use PDL."""
-    if not _enabled or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    return _enabled and _supported(device)
+
+
+def _supported(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, want: bool | None = None) -> dict:
     """Keyword arguments for a Triton launch: ``PDL`` (the kernel's constexpr, for `begin`) and
-    ``launch_pdl`` (the launch attribute)."""
-    on = enabled(device)
+    ``launch_pdl`` (the launch attribute). ``want`` overrides the module setting for this launch
+    (a benchmark's variants); either way only where the GPU and Triton have PDL."""
+    on = enabled(device) if want is None else (want and _supported(device))
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 

@@ -16,18 +16,12 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from trtc.runtime import triton_gemv
+from trtc.runtime.profile import copy_bandwidth
 
 HIDDEN, QKV, MLP, VOCAB, LAYERS = 2048, 2048 + 2 * 256, 5632, 32000, 22
-
-
-def copy_bandwidth() -> float:
-    import triton.testing
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=100, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
 def layer_weights(dtype) -> list[torch.Tensor]:
@@ -108,7 +102,7 @@ def main(argv=None) -> int:
         "gemv+pdl 4 warps": lambda x, w: triton_gemv.gemv(x, w, use_pdl=True, num_warps=4),
         "gemv+pdl 8 warps": lambda x, w: triton_gemv.gemv(x, w, use_pdl=True, num_warps=8),
         "gemv+pdl half tile": lambda x, w: triton_gemv.gemv(
-            x, w, use_pdl=True, rows=max(1, triton_gemv.TILE // 2 // triton_next_pow2(x.shape[1]))),
+            x, w, use_pdl=True, rows=max(1, triton_gemv.TILE // 2 // triton.next_power_of_2(x.shape[1]))),
     }
     for t in tokens_list:
         x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.float16)
@@ -133,11 +127,6 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     return 1 if failures else 0
-
-
-def triton_next_pow2(n: int) -> int:
-    import triton
-    return triton.next_power_of_2(n)
 
 
 if __name__ == "__main__":

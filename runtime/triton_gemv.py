@@ -29,7 +29,7 @@ from trtc.plugins import pdl
 # the tile; at 4 tokens the GEMV chain was 16% slower than cuBLAS, at 2 15% faster).
 # ``TRTC_GEMV_MAX_TOKENS=0`` sends every projection to cuBLAS (the benchmarks' A/B).
 MAX_TOKENS = int(os.environ.get("TRTC_GEMV_MAX_TOKENS", "2"))
-TILE = 8192               # weights per program (ROWS x K_P2): 64 a thread at 4 warps
+TILE = 8192               # weights per program (ROWS x K_P2): 64 a thread at 4 warps, 32 at 8
 
 
 @triton.jit
@@ -94,8 +94,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     rows = rows or max(1, TILE // k_p2 // (2 if swiglu else 1))
     weight = weight.contiguous()
     y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    launch = pdl.launch_options(x.device) if use_pdl is None else (
-        {"PDL": True, "launch_pdl": True} if use_pdl else {"PDL": False})
+    launch = pdl.launch_options(x.device, use_pdl)
     _gemv[(triton.cdiv(n, rows),)](x, weight, bias if bias is not None else weight, y, n, k, x.stride(0),
                                    TOKENS=tokens, ROWS=rows, K_P2=k_p2, HAS_BIAS=bias is not None, SWIGLU=swiglu,
                                    num_warps=num_warps, **launch)
