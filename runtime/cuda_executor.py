@@ -88,15 +88,23 @@ class CudaExecutor(TorchExecutor):
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+    def execute(self, step: dict[str, torch.Tensor], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As the torch executor's, but nothing waits for the GPU: the logits stay on it (the
+        sampler copies back token ids only), and ``input_ids`` on the GPU are copied in stream
+        order, behind the kernels of the step that produces them."""
         num_tokens, num_seqs = step["input_ids"].shape[0], step["context_lens"].shape[0]
         size = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
         if num_tokens != num_seqs or size is None:                # prefill or mixed: eager
-            return self.forward({k: v.to(self.device, non_blocking=True) for k, v in step.items()})
+            feeds = {k: v.to(self.device, non_blocking=True) for k, v in step.items()}
+            if input_ids is not None:
+                feeds["input_ids"] = input_ids
+            return self.forward(feeds)
         graph, inputs, logits = self.graphs[size]
         inputs.load(step)
+        if input_ids is not None:
+            inputs.tensors["input_ids"][:num_seqs].copy_(input_ids)
         graph.replay()
-        return logits[:num_seqs]       # stays on the GPU: the sampler copies back token ids only
+        return logits[:num_seqs]
 
 
 class DecodeInputs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,10 @@ from trtc.runtime.block_manager import BlockManager
 from trtc.runtime.detokenizer import IncrementalDetokenizer
 from trtc.runtime.executor import create_executor, default_num_blocks
 from trtc.runtime.sampler import Sampler, make_generator
-from trtc.runtime.scheduler import Scheduler
-from trtc.runtime.sequence import SamplingParams, Sequence
+from trtc.runtime.scheduler import ScheduledBatch, Scheduler
+from trtc.runtime.sequence import SamplingParams, Sequence, SequenceStatus
 from trtc.runtime.step import make_step
+from trtc.runtime.token_readback import LaunchedStep, TokenReadback
 
 log = logging.getLogger("trtc.engine")
 
@@ -53,6 +55,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     long_prefill_threshold: int = 0
     enable_prefix_caching: bool = True
+    # Queue step n+1 on the device before reading step n's tokens (greedy decode steps; see
+    # `LLMEngine.step`). None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
+    async_scheduling: bool | None = None
 
 
 @dataclass
@@ -89,11 +94,25 @@ class LLMEngine:
             config.max_num_batched_tokens or limits["max_num_tokens"], eos_token_id=eos,
             long_prefill_threshold=config.long_prefill_threshold)
         self.sampler = Sampler()
+        self.async_scheduling = self._async_scheduling(config.async_scheduling)
+        self.readback = TokenReadback(getattr(self.executor, "device", torch.device("cpu")),
+                                      self.scheduler.max_num_seqs)
+        self._ahead: LaunchedStep | None = None    # queued ahead, its tokens not read yet
         self.generators: dict[str, torch.Generator | None] = {}
         self.detok: dict[str, _Detok] = {}
         self._ids = itertools.count()
-        self.stats = {"steps": 0, "mixed_steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"steps": 0, "mixed_steps": 0, "ahead_steps": 0, "prompt_tokens": 0,
+                      "generation_tokens": 0}
         self.last_step: dict = {}
+
+    def _async_scheduling(self, wanted: bool | None) -> bool:
+        able = getattr(self.executor, "takes_device_input_ids", False)
+        if wanted is None:
+            return able and self.executor.name == "cuda" and os.environ.get("TRTC_ASYNC_SCHEDULING", "1") != "0"
+        if wanted and not able:
+            raise ValueError(f"async scheduling needs an executor that takes input ids on its device; "
+                             f"the {self.executor.name} executor does not (use the cuda or torch executor)")
+        return wanted
 
     def _generation_eos(self) -> set[int]:
         ids = set()
@@ -159,30 +178,67 @@ class LLMEngine:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not len(batch):
-            return []
+        """Run one step and return its outputs.
+
+        With async scheduling, the step after this one is queued on the device before this
+        one's tokens are read (`Scheduler.schedule_ahead`; its input tokens go from this step's
+        argmax to its inputs on the device), so the host's scheduling, input preparation and
+        output handling overlap the GPU instead of leaving it idle between steps. Only greedy
+        steps go ahead (drawn tokens come from per-request generators on the host), and only
+        pure continuations: a step that admits, preempts or finishes every row waits as before."""
+        launched, self._ahead = self._ahead, None
+        if launched is not None and not launched.batch.has_running():
+            launched = None                 # every row finished or was aborted since it was queued
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if not len(batch):
+                return []
+            launched = self._launch(batch)
+        if launched.device_tokens is not None:
+            ahead = self.scheduler.schedule_ahead(launched.batch)
+            if ahead is not None:
+                self._ahead = self._launch(ahead, input_ids=launched.device_tokens)
+        return self._complete(launched.batch, launched.tokens())
+
+    def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue ``batch`` on the executor and start sampling it. Greedy steps of an async
+        engine leave their token ids on the device (read later); the others sample now."""
         step = make_step(batch.to_work(), self.executor.block_size)
-        logits = self.executor.execute(step)
+        logits = (self.executor.execute(step) if input_ids is None
+                  else self.executor.execute(step, input_ids=input_ids))
         sampling = [i for i, s in enumerate(batch.samples) if s]
+        seqs = [batch.seqs[i] for i in sampling]
+        if (self.async_scheduling and len(sampling) == len(batch)
+                and all(s.params.temperature == 0 for s in seqs)):
+            ids = self.sampler.greedy(logits)
+            return LaunchedStep(batch, ids, self.readback.start(ids))
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
-            seqs = [batch.seqs[i] for i in sampling]
             rows = logits if len(sampling) == len(batch) else logits[sampling]   # no gather when all sample
             picked = self.sampler.sample(rows, [s.params for s in seqs],
                                          [self.generators[s.request_id] for s in seqs])
             for i, t in zip(sampling, picked):
                 tokens[i] = t
+        return LaunchedStep(batch, None, lambda: tokens)
+
+    def _complete(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
+        """Advance the sequences of a step that ran by its sampled tokens; their outputs."""
+        # A row of a step queued ahead whose sequence stopped (or was aborted) meanwhile.
+        tokens = [t if seq.status is SequenceStatus.RUNNING else None for seq, t in zip(batch.seqs, tokens)]
         # Classified before postprocess advances them: decode = only generated tokens left.
-        n_decode = sum(1 for s in batch.seqs if s.num_computed_tokens >= s.num_prompt_tokens)
+        live = [s for s in batch.seqs if s.status is SequenceStatus.RUNNING]
+        n_decode = sum(1 for s in live if s.num_computed_tokens >= s.num_prompt_tokens)
+        n_prefill = len(live) - n_decode
         self.last_step = {"num_seqs": len(batch), "num_tokens": batch.num_tokens,
-                          "prefill_seqs": len(batch) - n_decode, "decode_seqs": n_decode,
-                          "preempted": [s.request_id for s in batch.preempted]}
+                          "prefill_seqs": n_prefill, "decode_seqs": n_decode,
+                          "preempted": [s.request_id for s in batch.preempted],
+                          "ahead": batch.ahead}
         self.stats["steps"] += 1
-        if n_decode and len(batch) - n_decode:
+        self.stats["ahead_steps"] += batch.ahead
+        if n_decode and n_prefill:
             self.stats["mixed_steps"] += 1
             log.info("mixed step: %d prefill + %d decode sequences, %d tokens",
-                     len(batch) - n_decode, n_decode, batch.num_tokens)
+                     n_prefill, n_decode, batch.num_tokens)
         self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         outputs = []

@@ -28,7 +28,7 @@ class Sampler:
         if logits.dim() != 2 or not (logits.shape[0] == len(params) == len(generators)):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params "
                              f"and {len(generators)} generators")
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = self.greedy(logits).tolist()
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if random_rows:
             rows = logits[torch.tensor(random_rows, device=logits.device)].float().cpu()
@@ -40,6 +40,11 @@ class Sampler:
             for i, t in zip(random_rows, (probs / q).argmax(dim=-1).tolist()):
                 tokens[i] = t
         return tokens
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely token id, on the logits' device (int64)."""
+        return logits.argmax(dim=-1)
 
     def sample_with_logprobs(self, logits: torch.Tensor, params: list[SamplingParams],
                              generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:

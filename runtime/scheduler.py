@@ -30,6 +30,9 @@ class ScheduledBatch:
     # (False for a prefill chunk that is not the last). Fixed at schedule time.
     samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Scheduled ahead (`Scheduler.schedule_ahead`): row i decodes the token the previous step
+    # samples for row i, which the host has not seen yet (the executor takes it on the device).
+    ahead: bool = False
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -47,8 +50,15 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def to_work(self) -> list[SequenceWork]:
-        """The step contract's input (call before ``postprocess``, which advances the sequences)."""
+        """The step contract's input (call before ``postprocess``, which advances the sequences).
+        A step scheduled ahead holds a placeholder input token per row, at the position after
+        the sequence's last known token."""
+        if self.ahead:
+            return [SequenceWork([0], seq.num_tokens, list(seq.block_table)) for seq in self.seqs]
         return [seq.to_work(n) for seq, n in self]
+
+    def has_running(self) -> bool:
+        return any(seq.status is SequenceStatus.RUNNING for seq in self.seqs)
 
 
 class Scheduler:
@@ -140,6 +150,31 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return batch
+
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The step after ``batch``, scheduled while ``batch`` still runs (before its sampled tokens
+        are known): each of its sequences decodes the token ``batch`` samples for it. That is what
+        ``schedule`` would give next whenever every running sequence is in ``batch`` and samples,
+        nobody waits to be admitted and the pool has a slot for each; otherwise None, and the
+        caller schedules normally once the tokens are in.
+
+        A row whose sequence stops on the token ``batch`` samples (EOS, a stop string, an abort)
+        is computed for nothing and dropped by ``postprocess``; sequences that reach max_tokens
+        with it are known in advance, so a step of nothing but those is not scheduled."""
+        if (self.waiting or len(batch) != len(self.running) or len(batch) > self.max_num_batched_tokens
+                or not all(batch.samples)
+                or any(seq.status is not SequenceStatus.RUNNING for seq in batch.seqs)
+                or all(seq.num_output_tokens + 1 >= seq.params.max_tokens for seq in batch.seqs)):
+            return None
+        ahead = ScheduledBatch(ahead=True)
+        for seq in batch.seqs:
+            # Room for the position after the sampled token's: num_tokens + 1 once it is appended.
+            if not self.block_manager.ensure_capacity(seq, seq.num_tokens + 1):
+                return None          # growing the others was not wasted: the next step needs it
+            ahead.seqs.append(seq)
+            ahead.num_new_tokens.append(1)
+            ahead.samples.append(True)
+        return ahead
 
     def _chunk(self, seq: Sequence, num_uncomputed: int, budget: int) -> int:
         n = min(num_uncomputed, budget)

@@ -76,11 +76,18 @@ class TorchExecutor:
         """The node list this executor runs (here: the graph as compiled)."""
         return graph
 
+    # `execute` takes ``input_ids`` already on the device (an async engine's next step reads
+    # the previous step's tokens from there).
+    takes_device_input_ids = True
+
     @torch.inference_mode()
-    def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run one step (the contract's inputs); returns ``logits[num_seqs, vocab]`` (fp32, CPU).
-        The KV pool is updated in place."""
-        return self.forward({k: v.to(self.device) for k, v in step.items()}).cpu()
+    def execute(self, step: dict[str, torch.Tensor], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step (the contract's inputs; ``input_ids``, if given, replaces the step's);
+        returns ``logits[num_seqs, vocab]`` (fp32, CPU). The KV pool is updated in place."""
+        feeds = {k: v.to(self.device) for k, v in step.items()}
+        if input_ids is not None:
+            feeds["input_ids"] = input_ids.to(self.device)
+        return self.forward(feeds).cpu()
 
     def forward(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
         """The graph on inputs already on the device; logits stay there."""

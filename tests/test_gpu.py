@@ -37,3 +37,18 @@ def test_greedy_generation_same_on_gpu_and_cpu(tiny_artifacts, name):
     cpu = LLM(tiny_artifacts[name], executor="torch", num_blocks=64).generate(prompts, params)
     gpu = LLM(tiny_artifacts[name], executor="cuda", num_blocks=64).generate(prompts, params)
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+
+
+def test_async_scheduling_on_the_gpu_gives_the_same_tokens(tiny_artifacts):
+    """Steps queued ahead take their input tokens from the previous step's argmax on the GPU
+    (graph replays); requests of different lengths end while a step is queued ahead."""
+    prompts = [list(range(10, 50)), [7, 8, 9], list(range(100, 130)), [200] * 12]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 5, 17, 1)]
+    runs = []
+    for on in (False, True):
+        llm = LLM(tiny_artifacts["tiny-llama"], executor="cuda", num_blocks=64, async_scheduling=on)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert (llm.engine.stats["ahead_steps"] > 0) == on
+        assert llm.engine.block_manager.num_free_blocks == 64
+    assert runs[0] == runs[1]
+    assert [len(t) for t in runs[1]] == [30, 5, 17, 1]

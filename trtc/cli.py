@@ -84,12 +84,17 @@ def inspect(
 
 
 def _engine_config(executor, num_blocks, kv_cache_memory_mib, max_num_seqs, max_num_batched_tokens,
-                   no_prefix_caching):
+                   no_prefix_caching, no_async_scheduling=False):
     from trtc.runtime.engine import EngineConfig
     return EngineConfig(executor=executor, num_blocks=num_blocks,
                         kv_cache_memory=int(kv_cache_memory_mib * 2**20), max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
-                        enable_prefix_caching=not no_prefix_caching)
+                        enable_prefix_caching=not no_prefix_caching,
+                        async_scheduling=False if no_async_scheduling else None)
+
+
+ASYNC_HELP = ("wait for each step's tokens before queuing the next (by default the cuda executor queues "
+              "a greedy decode step before the previous one's tokens are read, so host work overlaps the GPU)")
 
 
 EXECUTOR_HELP = ("auto: an engine of the artifact this host can run (tensorrt), else cuda on a GPU, else "
@@ -111,6 +116,7 @@ def serve(
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="tokens per step (default: the artifact's limit)"),
     max_pending: int = typer.Option(256, help="requests in flight before new ones get 429"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not reuse KV blocks of shared prompt prefixes"),
+    no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
 ):
     """Serve an artifact over an OpenAI-compatible HTTP API: /v1/completions,
     /v1/chat/completions (SSE streaming with "stream": true), /v1/models, /health, /metrics.
@@ -123,7 +129,8 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(artifact, _engine_config(executor.value, num_blocks, kv_cache_memory, max_num_seqs,
-                                                    max_num_batched_tokens, no_prefix_caching))
+                                                    max_num_batched_tokens, no_prefix_caching,
+                                                    no_async_scheduling))
     except TrtcError as e:
         _fail(e)
     run_server(engine, host, port, api_key, max_pending)
@@ -214,6 +221,7 @@ def bench(
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help="keep prefix caching on (off by default: "
                                         "the second mode would reuse the first mode's blocks)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY"),
+    no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
 ):
     """Replay a request set and report TTFT, TPOT, inter-token and end-to-end latency
     (mean/p50/p90/p99), requests/s, output tokens/s and memory, for in-flight batching and for
@@ -243,7 +251,8 @@ def bench(
             from trtc.runtime.engine import EngineConfig, LLMEngine
             engine = LLMEngine(artifact, EngineConfig(executor=executor.value, kv_cache_memory=int(kv_cache_memory * 2**20),
                                                       max_num_seqs=max(concurrency, 1),
-                                                      enable_prefix_caching=prefix_caching))
+                                                      enable_prefix_caching=prefix_caching,
+                                                      async_scheduling=False if no_async_scheduling else None))
             special = set(engine.tokenizer.all_special_ids)
             vocab = engine.manifest["model"]["vocab_size"]
             requests = B.make_requests(num_requests, plen, olen, vocab, seed, special)
