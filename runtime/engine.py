@@ -55,7 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     long_prefill_threshold: int = 0
     enable_prefix_caching: bool = True
-    # Queue step n+1 on the device before reading step n's tokens (greedy decode steps; see
+    # Queue step n+1 on the device before reading step n's tokens (decode steps; see
     # `LLMEngine.step`). None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
     async_scheduling: bool | None = None
 
@@ -163,7 +163,7 @@ class LLMEngine:
             self.scheduler.add(seq)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        self.generators[request_id] = make_generator(params)
+        self.generators[request_id] = make_generator(params, self.readback.device)
         self.detok[request_id] = _Detok(IncrementalDetokenizer(self.tokenizer))
         return request_id
 
@@ -183,9 +183,9 @@ class LLMEngine:
         With async scheduling, the step after this one is queued on the device before this
         one's tokens are read (`Scheduler.schedule_ahead`; its input tokens go from this step's
         argmax to its inputs on the device), so the host's scheduling, input preparation and
-        output handling overlap the GPU instead of leaving it idle between steps. Only greedy
-        steps go ahead (drawn tokens come from per-request generators on the host), and only
-        pure continuations: a step that admits, preempts or finishes every row waits as before."""
+        output handling overlap the GPU instead of leaving it idle between steps (tokens are
+        drawn on the device, seeded requests from their own generator there). Only pure
+        continuations go ahead: a step that admits, preempts or finishes every row waits."""
         launched, self._ahead = self._ahead, None
         if launched is not None and not launched.batch.has_running():
             launched = None                 # every row finished or was aborted since it was queued
@@ -201,22 +201,21 @@ class LLMEngine:
         return self._complete(launched.batch, launched.tokens())
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
-        """Queue ``batch`` on the executor and start sampling it. Greedy steps of an async
-        engine leave their token ids on the device (read later); the others sample now."""
+        """Queue ``batch`` on the executor and start sampling it. An async engine leaves the
+        token ids of a step whose every row samples on the device (read later)."""
         step = make_step(batch.to_work(), self.executor.block_size)
         logits = (self.executor.execute(step) if input_ids is None
                   else self.executor.execute(step, input_ids=input_ids))
         sampling = [i for i, s in enumerate(batch.samples) if s]
         seqs = [batch.seqs[i] for i in sampling]
-        if (self.async_scheduling and len(sampling) == len(batch)
-                and all(s.params.temperature == 0 for s in seqs)):
-            ids = self.sampler.greedy(logits)
+        generators = [self.generators[s.request_id] for s in seqs]
+        if self.async_scheduling and len(sampling) == len(batch):
+            ids = self.sampler.sample_on_device(logits, [s.params for s in seqs], generators)
             return LaunchedStep(batch, ids, self.readback.start(ids))
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
             rows = logits if len(sampling) == len(batch) else logits[sampling]   # no gather when all sample
-            picked = self.sampler.sample(rows, [s.params for s in seqs],
-                                         [self.generators[s.request_id] for s in seqs])
+            picked = self.sampler.sample(rows, [s.params for s in seqs], generators)
             for i, t in zip(sampling, picked):
                 tokens[i] = t
         return LaunchedStep(batch, None, lambda: tokens)

@@ -19,27 +19,41 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+def _rows_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-row tensor on ``device``, without waiting for the device: a GPU gets it
+    through pinned memory (a copy from pageable memory would synchronise the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> list[int]:
-        """One token per row of ``logits`` [S, vocab]. Greedy rows are an argmax on the logits'
-        device (a GPU's, in the CUDA executor: only token ids come back); rows that draw run on
-        the CPU, where the per-request generators live."""
+        """One token per row of ``logits`` [S, vocab] (see `sample_on_device`)."""
+        return self.sample_on_device(logits, params, generators).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor, params: list[SamplingParams],
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Token ids ``[S]`` int64 on the logits' device, queued there without waiting for it:
+        greedy rows take the argmax, the others draw with q from their request's generator
+        (which lives on the same device) or torch's global one for that device."""
         if logits.dim() != 2 or not (logits.shape[0] == len(params) == len(generators)):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} params "
                              f"and {len(generators)} generators")
-        tokens = self.greedy(logits).tolist()
+        ids = self.greedy(logits)
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-        if random_rows:
-            rows = logits[torch.tensor(random_rows, device=logits.device)].float().cpu()
-            probs = self._probs([params[i] for i in random_rows], rows)
-            q = torch.empty_like(probs).exponential_()
-            for j, i in enumerate(random_rows):
-                if generators[i] is not None:   # a seeded request draws from its own stream only
-                    q[j] = torch.empty_like(probs[j]).exponential_(generator=generators[i])
-            for i, t in zip(random_rows, (probs / q).argmax(dim=-1).tolist()):
-                tokens[i] = t
-        return tokens
+        if not random_rows:
+            return ids
+        every_row = len(random_rows) == len(params)
+        index = None if every_row else _rows_tensor(random_rows, torch.int64, logits.device)
+        rows = (logits if every_row else logits.index_select(0, index)).float()
+        probs = self._probs([params[i] for i in random_rows], rows)
+        q = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:   # a seeded request draws from its own stream only
+                q[j] = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+        drawn = (probs / q).argmax(dim=-1)
+        return drawn if every_row else ids.index_copy(0, index, drawn)
 
     @staticmethod
     def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -58,13 +72,12 @@ class Sampler:
     @staticmethod
     def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         """Temperature, then top-k, then top-p (on what top-k kept), as probabilities."""
-        vocab = logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        vocab, device = logits.shape[-1], logits.device
+        temperature = _rows_tensor([p.temperature for p in params], logits.dtype, device)
         logits = logits / temperature[:, None]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                             device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        if (top_k < vocab).any() or (top_p < 1).any():
+        if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):    # decided on the host
+            top_k = _rows_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
+            top_p = _rows_tensor([p.top_p for p in params], logits.dtype, device)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=logits.device)
             drop = rank[None, :] >= top_k[:, None]

@@ -16,8 +16,8 @@ from trtc.runtime.scheduler import ScheduledBatch
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the executor: its batch, its greedy token ids on the device (None when
-    its tokens were sampled on the host), and how to get its tokens (waits for the step)."""
+    """A step queued on the executor: its batch, its token ids on the device (None when the
+    host has them already), and how to get its tokens (waits for the step)."""
     batch: ScheduledBatch
     device_tokens: torch.Tensor | None
     tokens: Callable[[], list[int | None]]
@@ -29,6 +29,7 @@ class TokenReadback:
     after the step that last used it was read (or dropped: then nothing reads it)."""
 
     def __init__(self, device: torch.device, capacity: int):
+        self.device = device                 # where the ids (and the sampler's generators) live
         self.on_gpu = device.type == "cuda"
         if self.on_gpu:
             self.buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]

@@ -161,15 +161,21 @@ def test_engine_async_scheduling_gives_the_same_tokens(tiny_artifacts, abort_aft
         assert plain[0][1] == "abort" and len(plain[0][0]) < 14
 
 
-def test_drawn_tokens_do_not_go_ahead(tiny_artifacts):
+def test_drawn_tokens_go_ahead_and_stay_reproducible(tiny_artifacts):
+    """Seeded draws happen on the executor's device, from the request's own generator: queued
+    ahead or not, the same tokens."""
     art = tiny_artifacts["tiny-llama"]
     runs = []
     for pipelined in (False, True):
         engine = LLMEngine(art, EngineConfig(executor="torch", num_blocks=32, async_scheduling=pipelined))
-        rid = engine.add_request("seeded", SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True))
-        tokens = []
+        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=7 + n,
+                                                    ignore_eos=True))
+               for p, n in (("seeded", 10), ("another one", 4))]
+        ids.append(engine.add_request("greedy", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+        tokens = {i: [] for i in ids}
         while engine.has_unfinished():
-            tokens += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
-        runs.append(tokens)
-        assert engine.stats["ahead_steps"] == 0
-    assert runs[0] == runs[1] and len(runs[0]) == 10
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+        runs.append([tokens[i] for i in ids])
+        assert (engine.stats["ahead_steps"] > 0) == pipelined
+    assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [10, 4, 6]

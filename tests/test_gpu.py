@@ -40,10 +40,12 @@ def test_greedy_generation_same_on_gpu_and_cpu(tiny_artifacts, name):
 
 
 def test_async_scheduling_on_the_gpu_gives_the_same_tokens(tiny_artifacts):
-    """Steps queued ahead take their input tokens from the previous step's argmax on the GPU
-    (graph replays); requests of different lengths end while a step is queued ahead."""
+    """Steps queued ahead take their input tokens from the previous step's sampled ids on the
+    GPU (graph replays); requests of different lengths end while a step is queued ahead; a
+    seeded request draws on the GPU from its own generator, ahead or not."""
     prompts = [list(range(10, 50)), [7, 8, 9], list(range(100, 130)), [200] * 12]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 5, 17, 1)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 5, 17)]
+    params.append(SamplingParams(max_tokens=9, temperature=0.8, top_k=50, seed=5, ignore_eos=True))
     runs = []
     for on in (False, True):
         llm = LLM(tiny_artifacts["tiny-llama"], executor="cuda", num_blocks=64, async_scheduling=on)
@@ -51,4 +53,4 @@ def test_async_scheduling_on_the_gpu_gives_the_same_tokens(tiny_artifacts):
         assert (llm.engine.stats["ahead_steps"] > 0) == on
         assert llm.engine.block_manager.num_free_blocks == 64
     assert runs[0] == runs[1]
-    assert [len(t) for t in runs[1]] == [30, 5, 17, 1]
+    assert [len(t) for t in runs[1]] == [30, 5, 17, 9]

@@ -94,7 +94,7 @@ def _engine_config(executor, num_blocks, kv_cache_memory_mib, max_num_seqs, max_
 
 
 ASYNC_HELP = ("wait for each step's tokens before queuing the next (by default the cuda executor queues "
-              "a greedy decode step before the previous one's tokens are read, so host work overlaps the GPU)")
+              "a decode step before the previous one's tokens are read, so host work overlaps the GPU)")
 
 
 EXECUTOR_HELP = ("auto: an engine of the artifact this host can run (tensorrt), else cuda on a GPU, else "
