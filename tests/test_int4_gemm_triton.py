@@ -83,6 +83,74 @@ def test_every_plan_variant(plan):
     assert arrival_counters.all_zero()
 
 
+# The weights-first decode kernel (`_int4_rows`): N no multiple of the rows per program, K with
+# a shorter last group; the whole row in up to three pieces (loaded before the wait), 6 steps
+# (unrolled) and 11 steps (a loop).
+ROWS_PLANS = {
+    "whole-n4": Plan(16, 4, kernel="rows", num_stages=1, block_k=4096),
+    "whole-n8-w8": Plan(16, 8, kernel="rows", num_warps=8, num_stages=1, block_k=4096),
+    "steps-n8-2groups": Plan(16, 8, kernel="rows", num_stages=1, block_k=64),
+    "steps-n4-1group": Plan(16, 4, kernel="rows", num_warps=2, num_stages=1, block_k=32),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS_PLANS))
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rows_kernel_matches_reference(name, tokens, dtype):
+    plan = ROWS_PLANS[name]
+    # 11 groups of 32, the last one 24 columns: pieces of 8 + 2 + 1 groups.
+    check(tokens, 37, 10 * 32 + 24, 32, dtype, bias=tokens % 2 == 1, plan=plan, seed=tokens)
+    # 3 groups of 128, the last one 64 columns: pieces of 2 + 1.
+    check(tokens, 20, 2 * 128 + 64, 128, dtype, bias=tokens % 2 == 0, plan=plan, seed=tokens + 1)
+
+
+def test_row_pieces():
+    assert triton_kernels.row_pieces(86) == (64, 16, 8)       # K = 11008, group 128
+    assert triton_kernels.row_pieces(32) == (32, 0, 0)
+    assert triton_kernels.row_pieces(11) == (8, 2, 1)
+    assert triton_kernels.row_pieces(7) == (4, 2, 1)
+    assert triton_kernels.row_pieces(1) == (1, 0, 0)
+    for groups in range(1, 300):
+        a, b, c = triton_kernels.row_pieces(groups)
+        assert a + b <= groups <= a + b + c and (c == 0 or groups - a - b > c // 2)
+
+
+def test_rows_kernel_with_leading_dims_and_steps_past_the_row():
+    # 3 steps of 2 groups for a row of 5 groups: the last step is half padding (reads nothing).
+    plan = Plan(16, 2, kernel="rows", num_stages=1, block_k=128)
+    check(3, 5, 5 * 64, 64, torch.float16, bias=True, plan=plan, seed=11)
+    qweight, scales, zeros, b = make_layer(6, 128, 64, torch.float16, False, 12)
+    x = torch.randn(2, 1, 128).half().to(DEVICE)
+    kw = dict(group_size=64, in_features=128, out_features=6)
+    got = triton_kernels.int4_gemm(x, qweight, scales, zeros, plan=plan, **kw)
+    want = reference(x.float(), qweight, scales.float(), zeros, None, **kw)
+    assert got.shape == (2, 1, 6)
+    assert float((got.float() - want).norm() / want.norm()) < 1e-3
+
+
+def test_decode_steps_of_one_or_two_tokens_go_to_the_rows_kernel_where_it_won():
+    plan = triton_kernels.default_plan
+    assert plan(1, 4096, 4096, 128) == Plan(16, 8, kernel="rows", num_stages=1, block_k=4096)
+    assert plan(1, 4096, 11008, 128) == Plan(16, 8, kernel="rows", num_warps=8, num_stages=1,
+                                             block_k=16384)
+    assert plan(1, 11008, 4096, 128).kernel == "rows"
+    assert plan(2, 4096, 4096, 128) == Plan(16, 4, kernel="rows", num_stages=1, block_k=2048)
+    for t, n, k in ((2, 11008, 4096), (2, 4096, 11008), (3, 4096, 4096), (16, 4096, 4096),
+                    (256, 4096, 4096)):
+        assert plan(t, n, k, 128) == triton_kernels.split_plan(t, n, k, 128)
+
+
+def test_rows_plans_are_checked():
+    most = triton_kernels.ROWS_MAX_TOKENS
+    with pytest.raises(ValueError, match=f"at most {most} tokens"):
+        check(most + 1, 8, 64, 32, plan=Plan(16, 4, kernel="rows"))
+    with pytest.raises(ValueError, match="power of two"):
+        check(1, 8, 64, 32, plan=Plan(16, 6, kernel="rows"))
+    with pytest.raises(ValueError, match="kernel must be"):
+        check(1, 8, 64, 32, plan=Plan(16, 16, kernel="gemv"))
+
+
 def test_plans_are_checked():
     with pytest.raises(ValueError, match="block_k"):
         check(1, 24, 256, 32, torch.float16, plan=Plan(16, 16, block_k=192))
@@ -106,7 +174,7 @@ def test_leading_dims_and_default_allocation():
 
 
 def test_plans_follow_the_shapes():
-    plans = {(t, n, k): triton_kernels.default_plan(t, n, k, 128, sm_count=132)
+    plans = {(t, n, k): triton_kernels.split_plan(t, n, k, 128, sm_count=132)
              for t in (1, 16) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))}
     for (t, n, k), plan in plans.items():
         assert plan.block_t == 16 and plan.reduce == "last"
@@ -116,11 +184,11 @@ def test_plans_follow_the_shapes():
         # ... with the partial sums under a quarter of the weight bytes.
         assert plan.split_k * t * n * 4 <= n * k / 2 / 4
     # Never into splits of fewer than 2 steps.
-    assert triton_kernels.default_plan(16, 64, 384, 128, sm_count=132).split_k == 1
+    assert triton_kernels.split_plan(16, 64, 384, 128, sm_count=132).split_k == 1
     # 128 contiguous bytes of a row per step where 256 columns divide K, else 128 columns.
-    assert triton_kernels.default_plan(1, 4096, 4096, 128).block_k == 256
-    assert triton_kernels.default_plan(1, 4096, 4224, 128).block_k == 128
-    assert triton_kernels.default_plan(1, 4096, 4096, 256).block_k == 256
+    assert triton_kernels.split_plan(1, 4096, 4096, 128).block_k == 256
+    assert triton_kernels.split_plan(1, 4096, 4224, 128).block_k == 128
+    assert triton_kernels.split_plan(1, 4096, 4096, 256).block_k == 256
     prefill = triton_kernels.default_plan(1024, 11008, 4096, 128, sm_count=132)
     assert prefill.block_t == 64 and prefill.split_k == 1
     assert not triton_kernels.supports(16) and not triton_kernels.supports(96)
@@ -181,3 +249,52 @@ def test_gpu_captured_in_a_cuda_graph():
     graph.replay()
     torch.testing.assert_close(captured, triton_kernels.int4_gemm(x, qweight, scales, zeros, **kw))
     assert not torch.equal(captured, eager)
+
+
+# The weights-first kernel's plans that the benchmark times, at the real sizes: K in one piece
+# (4096), three pieces (11008: 64 + 16 + 8 groups) or three steps, a partial last group.
+GPU_ROWS_CASES = [
+    (1, Plan(16, 8, kernel="rows", num_warps=8, num_stages=1, block_k=16384)),
+    (1, Plan(16, 4, kernel="rows", num_stages=1, block_k=4096)),
+    (2, Plan(16, 4, kernel="rows", num_stages=1, block_k=16384)),
+    (5, Plan(16, 2, kernel="rows", num_warps=8, num_stages=1, block_k=2048)),
+    (8, Plan(16, 4, kernel="rows", num_warps=8, num_stages=1, block_k=16384)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", LLAMA_SHAPES + [(4096, 4096 + 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(GPU_ROWS_CASES)))
+def test_gpu_rows_kernel_real_sizes(n, k, dtype, case):
+    tokens, plan = GPU_ROWS_CASES[case]
+    check(tokens, n, k, 128, dtype, bias=tokens % 2 == 1, plan=plan, seed=case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])
+def test_gpu_default_decode_chain_in_a_cuda_graph(tokens):
+    # Back-to-back calls as a decode step runs them (PDL where the GPU has it), each reading the
+    # previous call's output: captured and replayed, bit for bit the eager chain.
+    n = k = 4096
+    layers = [make_layer(n, k, 128, torch.float16, i % 2 == 0, 20 + i) for i in range(3)]
+    kw = dict(group_size=128, in_features=k, out_features=n)
+
+    def chain(x):
+        for qweight, scales, zeros, b in layers:
+            x = triton_kernels.int4_gemm(x, qweight, scales, zeros, b, **kw) * 0.05
+        return x
+
+    x = torch.randn(tokens, k, device="cuda").half()
+    chain(x)                                           # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(captured, chain(x), rtol=0, atol=0)
+    w = [dequantize(q, s, z, 128) for q, s, z, _ in layers]
+    want = x.float()
+    for wi, (_, _, _, b) in zip(w, layers):
+        want = (want @ wi.T + (b.float() if b is not None else 0)).half().float() * 0.05
+    assert float((captured.float() - want).norm() / want.norm()) < 1e-2

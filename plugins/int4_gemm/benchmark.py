@@ -2,7 +2,8 @@
 torch's fp16 matmul of the same shape and the device's measured copy bandwidth. Runs standalone
 from the repository root (no install needed):
 
-    python3 plugins/int4_gemm/benchmark.py [--out int4.json]
+    python3 plugins/int4_gemm/benchmark.py [--out int4.json] [--decode-only]
+        [--no-split-variants] [--budget SECONDS]
 
 Shapes ``[N, K]``: the Llama-7B projections [4096, 4096] (q/k/v/o), [11008, 4096] (up/gate) and
 [4096, 11008] (down); group size 128, fp16, no bias.
@@ -35,7 +36,7 @@ DECODE_TOKENS = [1, 2, 4, 8, 16]
 PREFILL_TOKENS = [256, 1024]
 GROUP = 128
 ROTATION_BYTES = 200e6
-TIME_BUDGET_S = 80.0        # stop timing new variants past this (the run must fit in 90 s)
+TIME_BUDGET_S = 80.0        # default --budget: stop timing new variants past this
 DEVICE = "cuda"
 
 
@@ -97,6 +98,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def plan_name(plan) -> str:
     if plan is None:
         return "default"
+    if plan.kernel != "split":
+        text = f"{plan.kernel} n{plan.block_n} k{plan.block_k} w{plan.num_warps}"
+        return text + (f" r{plan.max_registers}" if plan.max_registers else "")
     text = f"t{plan.block_t} n{plan.block_n} k{plan.block_k} s{plan.split_k}"
     if plan.split_k > 1:
         text += f" {plan.reduce}"
@@ -104,22 +108,51 @@ def plan_name(plan) -> str:
     return text + (f" r{plan.max_registers}" if plan.max_registers else "")
 
 
-def decode_variants(tokens: int, n: int, k: int, sms: int) -> list:
-    """The default plan (``None``) and the alternatives around it: who adds the partial sums,
-    pipeline depth, 128-row programs (two warpgroups, registers capped for two programs an SM),
-    128-column steps (64 bytes of a row, one group at a time)."""
-    default = kernels.default_plan(tokens, n, k, GROUP, sms)
-    bk, split = default.block_k, default.split_k
+def split_variants(tokens: int, n: int, k: int, sms: int) -> list:
+    """The split-K dot kernel's decode plan and the alternatives around it: who adds the
+    partial sums, pipeline depth, 128-row programs (two warpgroups, registers capped for two
+    programs an SM), 128-column steps (64 bytes of a row, one group at a time)."""
+    plan = kernels.split_plan(tokens, n, k, GROUP, sms)
+    bk, split = plan.block_k, plan.split_k
 
     def splits(block_n, block_k, slots):
         return kernels.split_k_for(-(-n // block_n), -(-k // block_k), slots, tokens, k)
 
-    plans = [
+    return [
+        plan,
         Plan(16, 64, split, "kernel", 4, 3, bk),
         Plan(16, 64, split, "last", 4, 4, bk),
         Plan(16, 128, splits(128, bk, 2 * sms), "last", 8, 3, bk, 128),
         Plan(16, 64, splits(64, 128, 3 * sms), "last", 4, 3, 128),
     ]
+
+
+# The weights-first kernel's variants per token count, most promising first: (rows per
+# program, warps, columns per step (None: the whole row, loaded before the wait), register cap).
+# At 4 and 8 tokens it took 1.6-5.9x the split-K kernel's time (first call of 2026-12-03, third
+# session), and its tl.dot variant 3.6-5.1x at every token count (removed).
+ROWS_VARIANTS = {
+    1: [(8, 8, None, None), (8, 4, None, None), (4, 4, None, None), (4, 8, None, None),
+        (16, 8, None, None), (2, 4, None, None), (8, 4, 4096, None), (4, 4, 4096, None),
+        (8, 4, None, 80), (8, 4, None, 96), (16, 4, None, 128)],
+    2: [(4, 4, None, None), (2, 4, None, None), (4, 8, None, None), (2, 8, None, None),
+        (8, 8, None, None), (4, 4, 2048, None)],
+}
+
+
+def rows_variants(tokens: int, k: int) -> list:
+    whole = 1 << (k - 1).bit_length()
+    return [Plan(16, rows, kernel="rows", num_warps=warps, num_stages=1, block_k=bk or whole,
+                 max_registers=regs)
+            for rows, warps, bk, regs in ROWS_VARIANTS.get(tokens, [])]
+
+
+def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: bool = True) -> list:
+    """The default plan (``None``), the split-K kernel's plan (the default before the
+    weights-first kernel) and its alternatives, the weights-first kernel's variants."""
+    default = kernels.default_plan(tokens, n, k, GROUP, sms)
+    plans = split_variants(tokens, n, k, sms)
+    plans = (plans if split_alternatives else plans[:1]) + rows_variants(tokens, k)
     unique = []
     for plan in plans:
         if plan.split_k == 1 and plan.reduce == "last":
@@ -133,7 +166,8 @@ def prefill_variants() -> list:
     return [None, Plan(128, 128, num_warps=8, num_stages=3, block_k=128)]
 
 
-def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts):
+def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
+                split_alternatives=True):
     import torch.nn.functional as F
     packed = n * k // 2
     sets = [random_layer(n, k, seed) for seed in range(max(4, math.ceil(ROTATION_BYTES / packed)))]
@@ -151,7 +185,8 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts):
         rows.append({**base, "variant": "torch fp16 matmul", "us": fp16_us,
                      "tflops": 2 * tokens * n * k / (fp16_us * 1e-6) / 1e12,
                      "fraction_of_copy_bw": 2 * n * k / (fp16_us * 1e-6) / bw})
-        for plan in (decode_variants(tokens, n, k, sms) if decode else prefill_variants()):
+        for plan in (decode_variants(tokens, n, k, sms, split_alternatives) if decode
+                     else prefill_variants()):
             name = plan_name(plan)
             if time.monotonic() > deadline:
                 rows.append({**base, "variant": name, "skipped": "time budget"})
@@ -175,6 +210,8 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts):
             if plan is None:
                 row["plan"] = kernels.default_plan(tokens, n, k, GROUP, sms).__dict__
                 default_calls = [lambda s=s: kernels.int4_gemm(x, *s, **kw) for s in sets]
+            # The split-K kernel's own plan: the default before the weights-first kernel.
+            row["split_plan"] = row["plan"] == kernels.split_plan(tokens, n, k, GROUP, sms).__dict__
             rows.append(row)
             print(f"{n:5d}x{k:<5d} T={tokens:4d} {name:38s} {us:8.2f} us  err {err:.1e}  "
                   + (f"{row['fraction_of_copy_bw'] * 100:5.1f}% copy bw" if decode
@@ -194,28 +231,40 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts):
 
 
 def check_bf16(failures) -> list:
-    """bf16 activations and scales through the default plans (both kernels, a partial group)."""
+    """bf16 activations and scales through the default plans (both kernels, a partial group)
+    and the weights-first kernel's variants."""
     out = []
-    for tokens, k in ((1, 4096), (4, 4096), (300, 4096 + 64)):
+    cases = [(1, 4096, None), (4, 4096, None), (300, 4096 + 64, None)]
+    cases += [(t, k, plan) for t in (1, 2) for k in (4096, 4096 + 64, 11008)
+              for plan in rows_variants(t, k)[:1] + rows_variants(t, k)[-1:]]
+    for tokens, k, plan in cases:
         qweight, scales, zeros = random_layer(4096, k, 99, torch.bfloat16)
         x = torch.randn(tokens, k, device=DEVICE, dtype=torch.bfloat16)
         want = x.float() @ reference.dequantize(qweight, scales, zeros, GROUP).T
-        got = kernels.int4_gemm(x, qweight, scales, zeros, group_size=GROUP, in_features=k,
-                                out_features=4096)
+        name = plan_name(plan)
+        try:
+            got = kernels.int4_gemm(x, qweight, scales, zeros, group_size=GROUP, in_features=k,
+                                    out_features=4096, plan=plan)
+        except Exception as e:
+            failures.append(f"bf16 T={tokens} K={k} {name}: {type(e).__name__}: {e}"[:300])
+            continue
         err = rel_err(got, want)
-        out.append({"tokens": tokens, "k": k, "rel_err": err})
-        print(f"bf16 T={tokens} K={k}: relative error {err:.2e}")
+        out.append({"tokens": tokens, "k": k, "variant": name, "rel_err": err})
+        print(f"bf16 T={tokens} K={k} {name}: relative error {err:.2e}")
         if not err < 1e-2:
-            failures.append(f"bf16 T={tokens} K={k}: relative error {err:.2e}")
+            failures.append(f"bf16 T={tokens} K={k} {name}: relative error {err:.2e}")
     return out
 
 
 def summary(rows, bw):
-    """Per shape and token count: the default plan, the best variant, torch fp16."""
+    """Per shape and token count: the default plan, the best variant, the split-K kernel's plan
+    (the default before the weights-first kernel), torch fp16."""
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; packed-weight GB/s and % of copy bandwidth "
-          f"(decode), TFLOP/s (prefill); speedup = fp16 matmul time / int4 time")
-    print(f"{'shape':>11} {'T':>5} | {'default us':>10} {'%bw/TF':>7} {'xfp16':>6} | "
-          f"{'best variant':38} {'us':>8} {'GB/s':>6} {'%bw/TF':>7} {'xfp16':>6} | {'fp16 us':>8}")
+          f"(decode), TFLOP/s (prefill); xfp16 = fp16 matmul time / int4 time, xsplit = split-K "
+          f"kernel time / int4 time")
+    print(f"{'shape':>11} {'T':>5} | {'default us':>10} {'%bw/TF':>7} {'xfp16':>6} {'xsplit':>6} | "
+          f"{'best variant':30} {'us':>8} {'GB/s':>6} {'%bw/TF':>7} {'xfp16':>6} | "
+          f"{'split us':>8} {'fp16 us':>8}")
     keys = sorted({(r["n"], r["k"], r["tokens"]) for r in rows},
                   key=lambda t: (SHAPES.index((t[0], t[1])), t[2]))
     for n, k, tokens in keys:
@@ -229,23 +278,30 @@ def summary(rows, bw):
             continue
         best = min(ours, key=lambda r: r["us"])
         default = next((r for r in ours if r["variant"] == "default"), best)
+        split = next((r for r in ours if r.get("split_plan")), default)
 
         def merit(r):
             return f"{r['fraction_of_copy_bw'] * 100:6.1f}%" if tokens <= 16 else f"{r['tflops']:7.1f}"
         print(f"{n:5d}x{k:<5d} {tokens:5d} | {default['us']:10.2f} {merit(default)} "
-              f"{default['speedup_vs_fp16']:6.2f} | {best['variant']:38} {best['us']:8.2f} "
-              f"{best['packed_GBps']:6.0f} {merit(best)} {best['speedup_vs_fp16']:6.2f} | "
-              f"{fp16['us']:8.2f}" + (f"  (default again {again['us']:.2f})" if again else "")
+              f"{default['speedup_vs_fp16']:6.2f} {split['us'] / default['us']:6.2f} | "
+              f"{best['variant']:30} {best['us']:8.2f} {best['packed_GBps']:6.0f} {merit(best)} "
+              f"{best['speedup_vs_fp16']:6.2f} | {split['us']:8.2f} {fp16['us']:8.2f}"
+              + (f"  (default again {again['us']:.2f})" if again else "")
               + (f"  (no PDL {no_pdl['us']:.2f})" if no_pdl else ""))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
+    parser.add_argument("--decode-only", action="store_true", help="no prefill shapes")
+    parser.add_argument("--no-split-variants", action="store_true",
+                        help="time the split-K kernel's decode plan only, not its alternatives")
+    parser.add_argument("--budget", type=float, default=TIME_BUDGET_S,
+                        help="seconds for the timings, shared equally by the shapes (variants "
+                             "past a shape's share are skipped)")
     args = parser.parse_args()
     import triton
     start = time.monotonic()
-    deadline = start + TIME_BUDGET_S
     props = torch.cuda.get_device_properties(0)
     results = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
                "torch": torch.__version__, "triton": triton.__version__, "group_size": GROUP}
@@ -255,11 +311,15 @@ def main() -> int:
           f"{results['sms']} SMs)")
     rows, failures = [], []
     results["bf16_checks"] = check_bf16(failures)
-    for token_counts in (DECODE_TOKENS, PREFILL_TOKENS):
-        for n, k in SHAPES:
-            bench_shape(n, k, props.multi_processor_count, bw, deadline, rows, failures,
-                        token_counts)
-            torch.cuda.empty_cache()
+    jobs = [(tokens, n, k) for tokens in ([DECODE_TOKENS] if args.decode_only
+                                          else [DECODE_TOKENS, PREFILL_TOKENS])
+            for n, k in SHAPES]
+    end = start + args.budget
+    for i, (token_counts, n, k) in enumerate(jobs):
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(jobs) - i)
+        bench_shape(n, k, props.multi_processor_count, bw, deadline, rows, failures,
+                    token_counts, split_alternatives=not args.no_split_variants)
+        torch.cuda.empty_cache()
     results["rows"] = rows
     results["failures"] = failures
     results["seconds"] = time.monotonic() - start

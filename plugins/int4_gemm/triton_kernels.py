@@ -2,7 +2,7 @@
 (`reference.py`: ``y = x @ ((q - zeros) * scales).T + bias`` with fp32 accumulation, returned in
 x's dtype; the last group of a row may be shorter); tests compare the two.
 
-One kernel, `_int4_dot`, for decode steps (1..16 tokens: one 16-wide tile) and prefill alike:
+The split-K dot kernel, `_int4_dot`, for prefill and decode steps (1..16 tokens: one 16-wide tile):
 ``W_tile @ x_tile.T`` on the matrix units, weight rows on the M side. The packed weight
 (``qweight [N, K/2]``, low nibble = even k) is read as stored, once; a program owns ``BLOCK_N``
 rows and ``BLOCK_T`` tokens and walks K in steps of ``BLOCK_K`` columns, several groups a step,
@@ -29,6 +29,18 @@ one launch; programs count arrivals on a per-tile int32 counter that the last on
 launch depends on shapes only (no host syncs): a decode step can be captured in a CUDA graph.
 Decode launches use programmatic dependent launch (`trtc.plugins.pdl`): a program reads its first
 zeros and scales before waiting for the previous kernel.
+
+A second kernel, `_int4_rows`, serves the decode steps where it measured faster (`default_plan`):
+"weights first", as the dense GEMV of runtime/triton_gemv.py. A program owns ``ROWS`` whole rows
+(no split over K: no partial sums, no reduction tail) and requests all of their packed bytes,
+zeros and scales *before* waiting for the previous kernel (a row that is no power of two long is
+loaded as up to three power-of-two pieces; or, for a plan's shorter steps, the first step before
+the wait and each next one a step ahead, into registers). After the wait it reads x and reduces
+in CUDA cores: the asm above without the scale gives ``q - z`` exactly in fp16, converted to fp32
+and multiplied by x in fp32 FMAs, one sum per group then times its scale (so the weight is never
+rounded: closer to the reference than the dot kernel). Each token is one more pass of FMAs, so it
+takes few tokens (`ROWS_MAX_TOKENS`); a variant on the matrix units (``tl.dot`` on register
+tiles) took 3.6-5.1x the split kernel's time and was removed.
 """
 from __future__ import annotations
 
@@ -95,8 +107,7 @@ def _finish(acc, toks, rows, tok_ok, row_ok, T, N, tile, split, splits, bias_ptr
 # negated zero gives q - z exactly, and one multiply by the scale rounds once (the weight the
 # matrix units see). fp16 keeps the high nibble in place (1024 + 16 q, times 1/16 in the FMA:
 # exact); bf16 has 7 mantissa bits, so the high nibble is shifted down first.
-_DEQUANT_F16 = tl.constexpr("""
-{
+_F16_NIBBLES = """
 .reg .b32 t0, t1, l0, l1, h0, h1, c;
 mov.b32 c, 0x2C002C00;
 prmt.b32 t0, $4, 0, 0x4140;
@@ -109,10 +120,20 @@ add.f16x2 l0, l0, $5;
 add.f16x2 l1, l1, $6;
 fma.rn.f16x2 h0, h0, c, $7;
 fma.rn.f16x2 h1, h1, c, $8;
+"""
+_DEQUANT_F16 = tl.constexpr("{" + _F16_NIBBLES + """
 mul.f16x2 $0, l0, $9;
 mul.f16x2 $1, l1, $10;
 mul.f16x2 $2, h0, $9;
 mul.f16x2 $3, h1, $10;
+}
+""")
+# The same without the scale: q - z exactly, in fp16 (the CUDA-core kernel scales a group's sum).
+_NIBBLES_F16 = tl.constexpr("{" + _F16_NIBBLES + """
+mov.b32 $0, l0;
+mov.b32 $1, l1;
+mov.b32 $2, h0;
+mov.b32 $3, h1;
 }
 """)
 _DEQUANT_BF16 = tl.constexpr("""
@@ -139,28 +160,43 @@ mul.rn.bf16x2 $3, h1, $10;
 
 
 @triton.jit
+def _dequant_terms(zero, scale, MODE: tl.constexpr, ASM: tl.constexpr):
+    """The operands of the dequantization asm (or the portable ops) besides the bytes: (offset
+    of the low nibbles, of the high nibbles, scale). `_int4_rows` computes them once per group,
+    before broadcasting them over the group's bytes."""
+    if ASM:
+        if MODE == 0:
+            off_lo = (-1024.0 - zero.to(tl.float32)).to(tl.float16)
+            off_hi = (-64.0 - zero.to(tl.float32)).to(tl.float16)
+        else:
+            off_lo = (-128.0 - zero.to(tl.float32)).to(tl.bfloat16)
+            off_hi = off_lo
+    else:
+        off_lo = zero.to(tl.float32)
+        off_hi = off_lo
+        scale = scale.to(tl.float32)
+    return off_lo, off_hi, scale
+
+
+@triton.jit
 def _dequantize(packed, zero, scale, MODE: tl.constexpr, ASM: tl.constexpr):
     """Both nibbles of each byte as weights ``(q - z) * s`` in the dot's dtype."""
+    off_lo, off_hi, scale = _dequant_terms(zero, scale, MODE, ASM)
     if ASM:
         if MODE == 0:
             lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r",
-                [packed, (-1024.0 - zero.to(tl.float32)).to(tl.float16),
-                 (-64.0 - zero.to(tl.float32)).to(tl.float16), scale],
+                _DEQUANT_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r", [packed, off_lo, off_hi, scale],
                 dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
-            neg = (-128.0 - zero.to(tl.float32)).to(tl.bfloat16)
             lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r", [packed, neg, neg, scale],
+                _DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r", [packed, off_lo, off_hi, scale],
                 dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         # Portable (fp32 activations, Triton's CPU interpreter): the same function in fp32,
         # rounded once to the dot's dtype.
-        z = zero.to(tl.float32)
-        s = scale.to(tl.float32)
         dtype = tl.float16 if MODE == 0 else tl.float32
-        lo = (((packed & 0xF).to(tl.float32) - z) * s).to(dtype)
-        hi = (((packed >> 4).to(tl.float32) - z) * s).to(dtype)
+        lo = (((packed & 0xF).to(tl.float32) - off_lo) * scale).to(dtype)
+        hi = (((packed >> 4).to(tl.float32) - off_hi) * scale).to(dtype)
     return lo, hi
 
 
@@ -271,16 +307,144 @@ def _sum_splits(partial_ptr, bias_ptr, y_ptr, T, N, splits, HAS_BIAS: tl.constex
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# --- the weights-first decode kernel ---------------------------------------------------------
+
+@triton.jit
+def _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, g0, GPS: tl.constexpr,
+               HALF: tl.constexpr):
+    """Groups ``g0 .. g0 + GPS`` of ``rows``: packed bytes ``[ROWS, GPS * HALF]`` and the
+    groups' zeros and scales ``[ROWS, GPS]`` (masked past the row's end: they read nothing).
+    The bytes are one 2-D tile, columns fastest, so that a thread's 16-byte slice of a row is
+    next to the same slice of its other rows (one x value serves them all)."""
+    byte = g0 * HALF + tl.arange(0, GPS * HALF)
+    r64 = rows.to(tl.int64)
+    packed = tl.load(qweight_ptr + r64[:, None] * KB + byte[None, :],
+                     mask=row_ok[:, None] & (byte < KB)[None, :], other=0)
+    g = g0 + tl.arange(0, GPS)
+    ok = row_ok[:, None] & (g < G)[None, :]
+    zero = tl.load(zeros_ptr + r64[:, None] * G + g[None, :], mask=ok, other=0)
+    scale = tl.load(scales_ptr + r64[:, None] * G + g[None, :], mask=ok, other=0.0)
+    return packed, zero, scale
+
+
+@triton.jit
+def _per_byte(t, HALF: tl.constexpr):
+    """Per-group values ``[R, GPS]`` -> per byte ``[R, GPS * HALF]``."""
+    R: tl.constexpr = t.shape[0]
+    GPS: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.broadcast_to(t[:, :, None], (R, GPS, HALF)), (R, GPS * HALF))
+
+
+@triton.jit
+def _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS: tl.constexpr, GROUP: tl.constexpr,
+              ASM: tl.constexpr):
+    """``acc [BT, ROWS] +=`` the step's products for tokens ``0 .. TOKENS``, in CUDA cores:
+    ``s * sum(x (q - z))`` per group, q - z exact (fp16 asm, or fp32), fp32 FMAs; each weight is
+    unpacked once for all the tokens, each group scaled once."""
+    ROWS: tl.constexpr = packed.shape[0]
+    BKB: tl.constexpr = packed.shape[1]
+    GPS: tl.constexpr = zero.shape[1]
+    HALF: tl.constexpr = GROUP // 2
+    off_lo, off_hi, s = _dequant_terms(zero, scale, 0, ASM)       # the fp16 offsets
+    off_lo = _per_byte(off_lo, HALF)
+    off_hi = _per_byte(off_hi, HALF)
+    if ASM:
+        q_lo, q_hi = tl.inline_asm_elementwise(
+            _NIBBLES_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, off_lo, off_hi],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        q_lo = (packed & 0xF).to(tl.float32) - off_lo
+        q_hi = (packed >> 4).to(tl.float32) - off_hi
+    # Back in column order (the nibbles of byte j are columns 2j, 2j + 1), to meet x as stored.
+    q = tl.reshape(tl.join(q_lo.to(tl.float32), q_hi.to(tl.float32)), (ROWS, 2 * BKB))
+    s = s.to(tl.float32)
+    col = g0 * GROUP + tl.arange(0, 2 * BKB)
+    toks = tl.arange(0, acc.shape[0])
+    for t in tl.static_range(TOKENS):
+        xv = tl.load(x_ptr + t * K + col, mask=col < K, other=0.0).to(tl.float32)
+        # One sum per group: a chain of FMAs per thread, then the threads of a group.
+        part = tl.sum(tl.sum(tl.reshape(q * xv[None, :], (ROWS, GPS, GROUP)), axis=2) * s,
+                      axis=1)
+        acc = tl.where((toks == t)[:, None], acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _rows_step(acc, packed, zero, scale, g0, x_ptr, qweight_ptr, zeros_ptr, scales_ptr, rows,
+               row_ok, K, KB, G, GROUP: tl.constexpr, TOKENS: tl.constexpr, ASM: tl.constexpr):
+    """One step of `_int4_rows`: request the next step's weights (past the last step the masks
+    are all off: nothing is read), then reduce this one's. Returns (acc, next step's weights)."""
+    GPS: tl.constexpr = zero.shape[1]
+    ahead = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, g0 + GPS, GPS,
+                       GROUP // 2)
+    acc = _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS, GROUP, ASM)
+    return acc, ahead[0], ahead[1], ahead[2]
+
+
+@triton.jit(do_not_specialize=["T"])
+def _int4_rows(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, T, N, K, KB, G,
+               GROUP: tl.constexpr, ROWS: tl.constexpr, GPS: tl.constexpr,
+               STEPS: tl.constexpr, GB: tl.constexpr, GC: tl.constexpr, BLOCK_T: tl.constexpr,
+               TOKENS: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PDL: tl.constexpr):
+    """``ROWS`` whole rows of ``TOKENS`` tokens. A row's groups are either ``STEPS`` steps of
+    ``GPS`` groups, or (``STEPS == 0``) up to three power-of-two pieces of ``GPS``, ``GB``,
+    ``GC`` groups (`row_pieces`), all of them loaded before the wait."""
+    HALF: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
+    # The weights are constants (trtc.plugins.pdl): they are requested before the wait for the
+    # previous kernel, so they stream while it finishes: the whole row, or the first step (each
+    # later step's are requested one step ahead, into registers).
+    pa, za, sa = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, 0, GPS, HALF)
+    if STEPS == 0:
+        if GB > 0:
+            pb, zb, sb = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, GPS,
+                                    GB, HALF)
+        if GC > 0:
+            pc, zc, sc = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G,
+                                    GPS + GB, GC, HALF)
+        pdl.begin(PDL)
+        acc = _step_fma(acc, pa, za, sa, x_ptr, K, 0, TOKENS, GROUP, ASM)
+        if GB > 0:
+            acc = _step_fma(acc, pb, zb, sb, x_ptr, K, GPS, TOKENS, GROUP, ASM)
+        if GC > 0:
+            acc = _step_fma(acc, pc, zc, sc, x_ptr, K, GPS + GB, TOKENS, GROUP, ASM)
+    else:
+        pdl.begin(PDL)
+        # Few steps are unrolled: a loop would carry the packed bytes in one register each
+        # (and repack them for the asm every step).
+        if STEPS <= 8:
+            for i in tl.static_range(STEPS):
+                acc, pa, za, sa = _rows_step(acc, pa, za, sa, i * GPS, x_ptr, qweight_ptr,
+                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, G,
+                                             GROUP, TOKENS, ASM)
+        else:
+            for i in range(STEPS):
+                acc, pa, za, sa = _rows_step(acc, pa, za, sa, i * GPS, x_ptr, qweight_ptr,
+                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, G,
+                                             GROUP, TOKENS, ASM)
+    toks = tl.arange(0, BLOCK_T)
+    tok_ok = toks < T
+    mask = tok_ok[:, None] & row_ok[None, :]
+    _write_y(acc, toks.to(tl.int64)[:, None] * N + rows[None, :], mask, rows, row_ok, bias_ptr,
+             y_ptr, HAS_BIAS)
+
+
 # --- launch ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Plan:
-    """How one Int4Gemm call is launched: ``block_t`` tokens x ``block_n`` output rows per
-    program (both >= 16: the dot's tile), ``block_k`` columns per loop step (a multiple of 128
-    and of the group size); ``split_k`` programs share a row block's K range and ``reduce``
-    ("kernel" | "last") says who adds their partial sums; ``max_registers`` caps the registers
-    of a thread (so that a given number of programs fits on an SM; None: the compiler's
-    choice)."""
+    """How one Int4Gemm call is launched. ``kernel`` "split": `_int4_dot`, ``block_t`` tokens x
+    ``block_n`` output rows per program (both >= 16: the dot's tile), ``block_k`` columns per
+    loop step (a multiple of 128 and of the group size); ``split_k`` programs share a row
+    block's K range and ``reduce`` ("kernel" | "last") says who adds their partial sums.
+    ``kernel`` "rows": `_int4_rows` (decode, at most `ROWS_MAX_TOKENS` tokens), ``block_n``
+    whole rows per program (a power of two), ``block_k`` columns per step (rounded up to a
+    power of two number of groups; the whole row, loaded before the wait, when it covers K);
+    ``block_t``, ``split_k`` and ``reduce`` unused. ``max_registers`` caps the registers of a
+    thread (so that a given number of programs fits on an SM; None: the compiler's choice)."""
     block_t: int
     block_n: int
     split_k: int = 1
@@ -289,6 +453,23 @@ class Plan:
     num_stages: int = 3
     block_k: int = 256
     max_registers: int | None = None
+    kernel: str = "split"
+
+
+# Tokens `_int4_rows` takes (each is one more pass of FMAs over the unpacked weights).
+ROWS_MAX_TOKENS = 8
+
+
+def row_pieces(groups: int) -> tuple[int, int, int]:
+    """A whole row's ``groups`` as `_int4_rows` loads them: up to three powers of two (a tile's
+    size must be one): the largest that fits, the largest that fits in the rest, the rest
+    rounded up (its padding is masked: it reads nothing). 86 groups (K = 11008, group 128):
+    64 + 16 + 8."""
+    a = 1 << (groups.bit_length() - 1)
+    rest = groups - a
+    b = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= b
+    return a, b, triton.next_power_of_2(rest) if rest else 0
 
 
 def supports(group_size: int) -> bool:
@@ -320,9 +501,9 @@ def block_k_for(k: int, group_size: int) -> int:
     return max(base, group_size)
 
 
-def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132) -> Plan:
-    """The launch measured fastest for ``[tokens, k] @ [n, k].T`` on an H200 (2026-12-02,
-    docs/gpu-kernels.md; ``benchmark.py`` times the alternatives)."""
+def split_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132) -> Plan:
+    """The fastest launch of the split-K dot kernel `_int4_dot` for ``[tokens, k] @ [n, k].T``
+    on an H200 (2026-12-02, docs/gpu-kernels.md; ``benchmark.py`` times the alternatives)."""
     block_k = block_k_for(k, group_size)
     if tokens <= 16:
         # Decode (memory-bound): 1..16 tokens are one 16-wide tile; 64 rows per program (one
@@ -336,6 +517,23 @@ def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 1
     # Prefill (compute-bound): 64 tokens x 128 rows, one group (128 columns) per step; it took
     # 16-34% less time than 128 x 128 tiles with 8 warps.
     return Plan(64, 128, 1, num_warps=4, num_stages=3, block_k=max(128, group_size))
+
+
+def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132) -> Plan:
+    """The launch measured fastest for ``[tokens, k] @ [n, k].T`` on an H200 (docs/gpu-kernels.md,
+    2026-12-03, third session; ``benchmark.py`` times the alternatives)."""
+    if tokens == 1:
+        # The weights-first kernel, 8 rows a program, the whole row loaded before the wait:
+        # 4.6 / 11.1 / 14.0 us on the Llama-7B projections against 8.9 / 16.0 / 16.3 us for
+        # the split kernel. 4 warps where a row is one 2048-byte piece, 8 for the 5.5 KB rows
+        # of K = 11008 (14.0 against 14.6 us).
+        return Plan(16, 8, kernel="rows", num_warps=4 if k <= 4096 else 8, num_stages=1,
+                    block_k=triton.next_power_of_2(k))
+    if tokens == 2 and n * k <= 4096 * 4096:
+        # Two passes of FMAs: it wins only where the split kernel's fixed cost is most of its
+        # time (8.1 against 8.9 us on [4096, 4096]; 18.6-20.3 against 16.0 us on [11008, 4096]).
+        return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1, block_k=2048)
+    return split_plan(tokens, n, k, group_size, sm_count)
 
 
 def _interpreting() -> bool:
@@ -352,11 +550,20 @@ def _dot_mode(x: torch.Tensor) -> int:
     return FP32
 
 
-def check_plan(plan: Plan) -> None:
-    if plan.reduce not in ("kernel", "last") or plan.split_k < 1 \
-            or min(plan.block_t, plan.block_n) < 16 or plan.block_k % 128:
-        raise ValueError(f"Int4Gemm plan {plan}: reduce kernel | last, split_k >= 1, block_t "
-                         f"and block_n >= 16, block_k a multiple of 128")
+def check_plan(plan: Plan, tokens: int) -> None:
+    if plan.kernel == "split":
+        if plan.reduce not in ("kernel", "last") or plan.split_k < 1 \
+                or min(plan.block_t, plan.block_n) < 16 or plan.block_k % 128:
+            raise ValueError(f"Int4Gemm plan {plan}: reduce kernel | last, split_k >= 1, block_t "
+                             f"and block_n >= 16, block_k a multiple of 128")
+        return
+    where = f"Int4Gemm plan {plan} for {tokens} tokens"
+    if plan.kernel != "rows":
+        raise ValueError(f"{where}: kernel must be split | rows")
+    if plan.block_n < 1 or plan.block_n & (plan.block_n - 1):
+        raise ValueError(f"{where}: the rows kernel takes block_n a power of two")
+    if tokens > ROWS_MAX_TOKENS:
+        raise ValueError(f"{where}: the rows kernel takes at most {ROWS_MAX_TOKENS} tokens")
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -383,7 +590,32 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
             sms = _sm_count(x.device.index if x.device.index is not None
                             else torch.cuda.current_device())
         plan = default_plan(tokens, n, k, group_size, sms)
-    check_plan(plan)
+    check_plan(plan, tokens)
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    bias_arg = bias.contiguous() if bias is not None else scales   # unread when HAS_BIAS is off
+    mode = _dot_mode(x)
+    asm = mode != FP32 and not _interpreting()
+    launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.max_registers:
+        launch["maxnreg"] = plan.max_registers
+    # PDL (trtc.plugins.pdl) for decode launches only: prefill launches lost with it (measured:
+    # 48 against 36 us at 256 tokens on [4096, 4096]; presumably their programs, placed while the
+    # previous kernel still holds the SMs, are spread unevenly).
+    pdl_launch = pdl.launch_options(x.device) if tokens <= 16 else {"PDL": False}
+    launch.update(pdl_launch)
+    # K/2 is passed on its own (both kernels) so that Triton sees the row stride's divisibility
+    # by 16 (16-byte weight loads); derived in the kernel from K it is only known to be even.
+    if plan.kernel == "rows":
+        gps = triton.next_power_of_2(max(1, plan.block_k // group_size))
+        steps, gb, gc = triton.cdiv(groups, gps), 0, 0
+        if gps * group_size >= k:
+            (gps, gb, gc), steps = row_pieces(groups), 0
+        _int4_rows[(triton.cdiv(n, plan.block_n),)](
+            x2, qweight, scales, zeros, bias_arg, y, tokens, n, k, k // 2, groups,
+            GROUP=group_size, ROWS=plan.block_n, GPS=gps, STEPS=steps, GB=gb, GC=gc,
+            BLOCK_T=triton.next_power_of_2(tokens), TOKENS=tokens, ASM=asm,
+            HAS_BIAS=bias is not None, **launch)
+        return y.view(*x.shape[:-1], n)
     block_k = max(plan.block_k, group_size)
     split = NO_SPLIT
     partial = y
@@ -399,25 +631,12 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
                              f"{plan.split_k * tokens * n} elements")
         if split == SPLIT_LAST_SUMS:
             counters = arrival_counters(x.device, tiles)
-    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
-    bias_arg = bias.contiguous() if bias is not None else scales   # unread when HAS_BIAS is off
     grid = (tiles, plan.split_k)
-    mode = _dot_mode(x)
     steps = triton.cdiv(k, block_k)
-    launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if plan.max_registers:
-        launch["maxnreg"] = plan.max_registers
-    # PDL (trtc.plugins.pdl) for decode launches only: prefill launches lost with it (measured:
-    # 48 against 36 us at 256 tokens on [4096, 4096]; presumably their programs, placed while the
-    # previous kernel still holds the SMs, are spread unevenly).
-    pdl_launch = pdl.launch_options(x.device) if tokens <= 16 else {"PDL": False}
-    launch.update(pdl_launch)
-    # K/2 is passed on its own so that Triton sees the row stride's divisibility by 16 (16-byte
-    # weight loads); derived in the kernel from K it is only known to be even.
     _int4_dot[grid](x2, qweight, scales, zeros, bias_arg, y, partial, counters, tokens, n, k,
                     k // 2, groups, -(-steps // plan.split_k), plan.split_k,
                     GROUP=group_size, BLOCK_T=plan.block_t, BLOCK_N=plan.block_n, BLOCK_K=block_k,
-                    MODE=mode, ASM=mode != FP32 and not _interpreting(), EVEN_K=k % block_k == 0,
+                    MODE=mode, ASM=asm, EVEN_K=k % block_k == 0,
                     HAS_BIAS=bias is not None, SPLIT=split, **launch)
     if split == SPLIT_THEN_KERNEL:
         block = 1024
