@@ -95,8 +95,9 @@ class LLMEngine:
             long_prefill_threshold=config.long_prefill_threshold)
         self.sampler = Sampler()
         self.async_scheduling = self._async_scheduling(config.async_scheduling)
-        self.readback = TokenReadback(getattr(self.executor, "device", torch.device("cpu")),
-                                      self.scheduler.max_num_seqs)
+        # Where logits, sampled ids and the seeded requests' generators live.
+        self.device = getattr(self.executor, "device", torch.device("cpu"))
+        self.readback = TokenReadback(self.device, self.scheduler.max_num_seqs)
         self._ahead: LaunchedStep | None = None    # queued ahead, its tokens not read yet
         self.generators: dict[str, torch.Generator | None] = {}
         self.detok: dict[str, _Detok] = {}
@@ -163,7 +164,7 @@ class LLMEngine:
             self.scheduler.add(seq)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        self.generators[request_id] = make_generator(params, self.readback.device)
+        self.generators[request_id] = make_generator(params, self.device)
         self.detok[request_id] = _Detok(IncrementalDetokenizer(self.tokenizer))
         return request_id
 
@@ -222,10 +223,11 @@ class LLMEngine:
 
     def _complete(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
         """Advance the sequences of a step that ran by its sampled tokens; their outputs."""
-        # A row of a step queued ahead whose sequence stopped (or was aborted) meanwhile.
-        tokens = [t if seq.status is SequenceStatus.RUNNING else None for seq, t in zip(batch.seqs, tokens)]
+        # A row of a step queued ahead whose sequence stopped (or was aborted) meanwhile is dropped.
+        live = [s.status is SequenceStatus.RUNNING for s in batch.seqs]
+        tokens = [t if ok else None for ok, t in zip(live, tokens)]
+        live = [s for s, ok in zip(batch.seqs, live) if ok]
         # Classified before postprocess advances them: decode = only generated tokens left.
-        live = [s for s in batch.seqs if s.status is SequenceStatus.RUNNING]
         n_decode = sum(1 for s in live if s.num_computed_tokens >= s.num_prompt_tokens)
         n_prefill = len(live) - n_decode
         self.last_step = {"num_seqs": len(batch), "num_tokens": batch.num_tokens,

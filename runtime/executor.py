@@ -25,7 +25,9 @@ class Executor(Protocol):
     num_blocks: int
 
     def execute(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` fp32, on the executor's device, valid until the next call."""
+        """Logits ``[num_seqs, vocab]`` fp32, on the executor's device, valid until the next call.
+        An executor with ``takes_device_input_ids = True`` also takes ``input_ids=`` a tensor on
+        its device that replaces the step's (async scheduling: the previous step's sampled ids)."""
 
 
 def default_num_blocks(manifest: dict, kv_cache_memory: int, max_num_seqs: int) -> int:

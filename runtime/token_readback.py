@@ -29,7 +29,6 @@ class TokenReadback:
     after the step that last used it was read (or dropped: then nothing reads it)."""
 
     def __init__(self, device: torch.device, capacity: int):
-        self.device = device                 # where the ids (and the sampler's generators) live
         self.on_gpu = device.type == "cuda"
         if self.on_gpu:
             self.buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]

@@ -8,31 +8,10 @@ import pytest
 from trtc.runtime.engine import EngineConfig, LLMEngine
 from trtc.runtime.scheduler import ScheduledBatch, Scheduler
 from trtc.runtime.sequence import SamplingParams, SequenceStatus
-from trtc.runtime.step import make_step
-
-from test_scheduler import FakeModel, make, next_token, run, seq
+from test_scheduler import FakeModel, make, run, seq
 
 
-class DeviceFake(FakeModel):
-    """The fake model as a device would run it: a step scheduled ahead gets its input tokens
-    from the previous step's outputs (the host has not appended them yet)."""
-
-    def step_ahead(self, batch: ScheduledBatch, input_ids: list[int]) -> list[int]:
-        work = batch.to_work()
-        tensors = make_step(work, self.bm.block_size)
-        for s in tensors["slot_mapping"].tolist():
-            assert self.bm.blocks[s // self.bm.block_size].ref_count == 1, "writes into a block it does not hold"
-        out = []
-        for seq_, w, tok in zip(batch.seqs, work, input_ids):
-            assert w.new_tokens == [0] and w.num_cached == seq_.num_tokens
-            self.kv[self.slot(w.block_table, w.num_cached)] = tok
-            context = [self.kv[self.slot(w.block_table, p)] for p in range(w.num_cached + 1)]
-            assert context == seq_.token_ids + [tok], f"{seq_.request_id}: the KV cache holds the wrong tokens"
-            out.append(next_token(context))
-        return out
-
-
-def run_ahead(sched: Scheduler, model: DeviceFake, on_step=None) -> int:
+def run_ahead(sched: Scheduler, model: FakeModel) -> int:
     """The engine's loop with async scheduling, on the fake; returns how many steps went ahead."""
     ahead_steps, queued = 0, None            # queued: (batch, its tokens as the device has them)
     while sched.has_unfinished() or queued:
@@ -44,14 +23,12 @@ def run_ahead(sched: Scheduler, model: DeviceFake, on_step=None) -> int:
             launched = (batch, model.step(batch))
         ahead = sched.schedule_ahead(launched[0])
         if ahead is not None:
-            queued = (ahead, model.step_ahead(ahead, launched[1]))
+            queued = (ahead, model.step(ahead, input_ids=launched[1]))
             ahead_steps += 1
         batch, tokens = launched
         tokens = [t if s.status is SequenceStatus.RUNNING else None for s, t in zip(batch.seqs, tokens)]
         sched.postprocess(batch, tokens)
         sched.block_manager.check_invariants()
-        if on_step:
-            on_step(sched)
     return ahead_steps
 
 
@@ -77,7 +54,7 @@ def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks):
         for r in reqs:
             sched.add(r)
         if pipelined:
-            assert run_ahead(sched, DeviceFake(sched.block_manager)) > 0
+            assert run_ahead(sched, model) > 0
         else:
             run(sched, model)
         results.append([(r.output_token_ids, r.finish_reason) for r in reqs])

@@ -26,8 +26,15 @@ class FakeModel:
         bs = self.bm.block_size
         return block_table[pos // bs] * bs + pos % bs
 
-    def step(self, batch: ScheduledBatch) -> list[int]:
+    def step(self, batch: ScheduledBatch, input_ids: list[int] | None = None) -> list[int]:
+        """``input_ids``: a step scheduled ahead runs on the previous step's sampled tokens, as a
+        device has them (the host has not appended them yet)."""
         work = batch.to_work()
+        if input_ids is not None:
+            assert batch.ahead and all(w.new_tokens == [0] and w.num_cached == s.num_tokens
+                                       for s, w in zip(batch.seqs, work))
+            for w, tok in zip(work, input_ids):
+                w.new_tokens = [tok]
         tensors = make_step(work, self.bm.block_size)   # the step contract accepts it
         slots = tensors["slot_mapping"].tolist()
         assert len(slots) == len(set(slots)), "two tokens of one step write the same KV slot"
@@ -40,7 +47,8 @@ class FakeModel:
                 self.kv[self.slot(w.block_table, w.num_cached + i)] = tok
             n = w.num_cached + len(w.new_tokens)
             context = [self.kv[self.slot(w.block_table, p)] for p in range(n)]
-            assert context == seq.token_ids[:n], f"{seq.request_id}: the KV cache holds the wrong tokens"
+            known = seq.token_ids if input_ids is None else seq.token_ids + w.new_tokens
+            assert context == known[:n], f"{seq.request_id}: the KV cache holds the wrong tokens"
             out.append(next_token(context))
         return out
 

@@ -248,11 +248,9 @@ def bench(
             requests = B.make_requests(num_requests, plen, olen, model.get("vocab_size", 32000), seed)
             results.append(B.run_server(url, requests, concurrency, rate, seed, api_key))
         else:
-            from trtc.runtime.engine import EngineConfig, LLMEngine
-            engine = LLMEngine(artifact, EngineConfig(executor=executor.value, kv_cache_memory=int(kv_cache_memory * 2**20),
-                                                      max_num_seqs=max(concurrency, 1),
-                                                      enable_prefix_caching=prefix_caching,
-                                                      async_scheduling=False if no_async_scheduling else None))
+            from trtc.runtime.engine import LLMEngine
+            engine = LLMEngine(artifact, _engine_config(executor.value, None, kv_cache_memory, max(concurrency, 1),
+                                                        None, not prefix_caching, no_async_scheduling))
             special = set(engine.tokenizer.all_special_ids)
             vocab = engine.manifest["model"]["vocab_size"]
             requests = B.make_requests(num_requests, plen, olen, vocab, seed, special)
