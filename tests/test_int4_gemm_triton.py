@@ -33,7 +33,8 @@ def check(tokens, n, k, group, dtype=torch.float16, bias=True, plan=None, seed=0
     g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
     kw = dict(group_size=group, in_features=k, out_features=n)
-    chosen = plan or triton_kernels.default_plan(tokens, n, k, group)
+    chosen = plan or triton_kernels.default_plan(tokens, n, k, group,
+                                                 fp16=dtype == torch.float16)
     out = torch.full((tokens, n), float("nan"), dtype=dtype, device=DEVICE)
     workspace = torch.full((chosen.split_k * tokens * n,), float("nan"), device=DEVICE)
     got = triton_kernels.int4_gemm(x, qweight, scales, zeros, b, plan=chosen, out=out,
@@ -131,14 +132,24 @@ def test_rows_kernel_with_leading_dims_and_steps_past_the_row():
 
 def test_decode_steps_of_one_or_two_tokens_go_to_the_rows_kernel_where_it_won():
     plan = triton_kernels.default_plan
-    assert plan(1, 4096, 4096, 128) == Plan(16, 8, kernel="rows", num_stages=1, block_k=4096)
+    assert plan(1, 4096, 4096, 128) == Plan(16, 8, kernel="rows", num_stages=1, block_k=4096,
+                                            half2=True)
     assert plan(1, 4096, 11008, 128) == Plan(16, 8, kernel="rows", num_warps=8, num_stages=1,
-                                             block_k=16384)
+                                             block_k=16384, half2=True)
     assert plan(1, 11008, 4096, 128).kernel == "rows"
-    assert plan(2, 4096, 4096, 128) == Plan(16, 4, kernel="rows", num_stages=1, block_k=2048)
-    for t, n, k in ((2, 11008, 4096), (2, 4096, 11008), (3, 4096, 4096), (16, 4096, 4096),
-                    (256, 4096, 4096)):
-        assert plan(t, n, k, 128) == triton_kernels.split_plan(t, n, k, 128)
+    assert not plan(1, 4096, 4096, 128, fp16=False).half2        # bf16: fp32 products
+    # Two tokens: half2 products on rows of at most 4096 columns; bf16 on the small layer only.
+    assert plan(2, 4096, 4096, 128) == Plan(16, 4, kernel="rows", num_stages=1, block_k=4096,
+                                            half2=True)
+    assert plan(2, 11008, 4096, 128).half2
+    assert plan(2, 4096, 4096, 128, fp16=False) == Plan(16, 4, kernel="rows", num_stages=1,
+                                                        block_k=2048)
+    for t, n, k, fp16 in ((2, 11008, 4096, False), (2, 4096, 11008, True), (3, 4096, 4096, True),
+                          (16, 4096, 4096, True), (256, 4096, 4096, True)):
+        assert plan(t, n, k, 128, fp16=fp16) == triton_kernels.split_plan(t, n, k, 128)
+    # The split kernel prefetches into L2 on the small layer only.
+    assert triton_kernels.split_plan(4, 4096, 4096, 128).prefetch
+    assert not triton_kernels.split_plan(4, 11008, 4096, 128).prefetch
 
 
 def test_rows_plans_are_checked():
@@ -214,6 +225,10 @@ def test_gpu_real_sizes(n, k, dtype, tokens):
     Plan(16, 128, split_k=3, reduce="last", num_warps=8, block_k=128, max_registers=128),
     Plan(16, 64, split_k=5, reduce="last", num_warps=4, num_stages=4, block_k=128),
     Plan(128, 128, num_warps=8, block_k=128),
+    # The L2 prefetch of each program's slice, before the wait: uneven splits (86 steps of 128
+    # columns in 5), and one split per row block.
+    Plan(16, 64, split_k=5, reduce="last", block_k=128, prefetch=True),
+    Plan(16, 64, split_k=1, block_k=256, prefetch=True),
 ])
 def test_gpu_plan_variants(plan):
     # Three draws each: a race between the splits would move the error from run to run.
@@ -259,6 +274,11 @@ GPU_ROWS_CASES = [
     (2, Plan(16, 4, kernel="rows", num_stages=1, block_k=16384)),
     (5, Plan(16, 2, kernel="rows", num_warps=8, num_stages=1, block_k=2048)),
     (8, Plan(16, 4, kernel="rows", num_warps=8, num_stages=1, block_k=16384)),
+    # The half2 products (fp16 activations; bf16 takes the fp32 path): the whole row, steps,
+    # three tokens.
+    (1, Plan(16, 8, kernel="rows", num_stages=1, block_k=16384, half2=True)),
+    (2, Plan(16, 4, kernel="rows", num_stages=1, block_k=2048, half2=True)),
+    (3, Plan(16, 4, kernel="rows", num_warps=8, num_stages=1, block_k=16384, half2=True)),
 ]
 
 
@@ -269,6 +289,24 @@ GPU_ROWS_CASES = [
 def test_gpu_rows_kernel_real_sizes(n, k, dtype, case):
     tokens, plan = GPU_ROWS_CASES[case]
     check(tokens, n, k, 128, dtype, bias=tokens % 2 == 1, plan=plan, seed=case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_gpu_half2_products_keep_large_activations(tokens):
+    # fp16 sums of products overflow at 65504: an outlier channel of a few thousand (as some
+    # models' MLP inputs carry) must not reach it (x is taken times 1/16 first).
+    n, k = 4096, 4096
+    qweight, scales, zeros, _ = make_layer(n, k, 128, torch.float16, False, 31)
+    x = torch.randn(tokens, k, device="cuda").half()
+    x[:, 7] = 6000.0
+    x[:, 8:16] = -3000.0
+    plan = Plan(16, 8, kernel="rows", num_stages=1, block_k=4096, half2=True)
+    got = triton_kernels.int4_gemm(x, qweight, scales, zeros, group_size=128, in_features=k,
+                                   out_features=n, plan=plan)
+    exact = x.double() @ dequantize(qweight, scales, zeros, 128).double().T
+    assert torch.isfinite(got).all()
+    assert float((got.double() - exact).norm() / exact.norm()) < REL_TOL[torch.float16]
 
 
 @pytest.mark.gpu

@@ -100,51 +100,65 @@ def plan_name(plan) -> str:
         return "default"
     if plan.kernel != "split":
         text = f"{plan.kernel} n{plan.block_n} k{plan.block_k} w{plan.num_warps}"
+        text += " half2" if plan.half2 else ""
         return text + (f" r{plan.max_registers}" if plan.max_registers else "")
     text = f"t{plan.block_t} n{plan.block_n} k{plan.block_k} s{plan.split_k}"
     if plan.split_k > 1:
         text += f" {plan.reduce}"
     text += f" w{plan.num_warps} st{plan.num_stages}"
+    text += " pf" if plan.prefetch else ""
     return text + (f" r{plan.max_registers}" if plan.max_registers else "")
 
 
 def split_variants(tokens: int, n: int, k: int, sms: int) -> list:
-    """The split-K dot kernel's decode plan and the alternatives around it: who adds the
-    partial sums, pipeline depth, 128-row programs (two warpgroups, registers capped for two
-    programs an SM), 128-column steps (64 bytes of a row, one group at a time)."""
+    """The split-K dot kernel's decode plan, the same with the L2 prefetch, and the
+    alternatives around them: who adds the partial sums, pipeline depth, 128-row programs (two
+    warpgroups, registers capped for two programs an SM), 128-column steps (64 bytes of a row,
+    one group at a time)."""
     plan = kernels.split_plan(tokens, n, k, GROUP, sms)
     bk, split = plan.block_k, plan.split_k
 
     def splits(block_n, block_k, slots):
         return kernels.split_k_for(-(-n // block_n), -(-k // block_k), slots, tokens, k)
 
-    return [
-        plan,
+    def prefetched(p):
+        return Plan(**{**p.__dict__, "prefetch": True})
+
+    alternatives = [
         Plan(16, 64, split, "kernel", 4, 3, bk),
         Plan(16, 64, split, "last", 4, 4, bk),
         Plan(16, 128, splits(128, bk, 2 * sms), "last", 8, 3, bk, 128),
         Plan(16, 64, splits(64, 128, 3 * sms), "last", 4, 3, 128),
     ]
+    # The same with the L2 prefetch of each program's weight slice (`Plan.prefetch`), and
+    # what it may change: fewer splits (a longer loop over data already in L2), more stages.
+    fewer = Plan(16, 64, max(1, split // 2), "last", 4, 3, bk, prefetch=True)
+    return ([plan, prefetched(plan), fewer]
+            + [prefetched(p) for p in alternatives[1:3]] + alternatives)
 
 
 # The weights-first kernel's variants per token count, most promising first: (rows per
-# program, warps, columns per step (None: the whole row, loaded before the wait), register cap).
-# At 4 and 8 tokens it took 1.6-5.9x the split-K kernel's time (first call of 2026-12-03, third
-# session), and its tl.dot variant 3.6-5.1x at every token count (removed).
+# program, warps, columns per step (None: the whole row, loaded before the wait), register cap,
+# half2 products). At 4 and 8 tokens its fp32 path took 1.6-5.9x the split-K kernel's time
+# (first call of 2026-12-03, third session), and its tl.dot variant 3.6-5.1x at every token
+# count (removed).
 ROWS_VARIANTS = {
-    1: [(8, 8, None, None), (8, 4, None, None), (4, 4, None, None), (4, 8, None, None),
-        (16, 8, None, None), (2, 4, None, None), (8, 4, 4096, None), (4, 4, 4096, None),
-        (8, 4, None, 80), (8, 4, None, 96), (16, 4, None, 128)],
-    2: [(4, 4, None, None), (2, 4, None, None), (4, 8, None, None), (2, 8, None, None),
-        (8, 8, None, None), (4, 4, 2048, None)],
+    1: [(8, 4, None, None, True), (8, 8, None, None, True), (4, 4, None, None, True),
+        (16, 8, None, None, True), (16, 4, None, None, True), (8, 8, None, None, False),
+        (8, 4, None, None, False), (4, 4, None, None, False)],
+    2: [(4, 4, None, None, True), (4, 4, 2048, None, True), (8, 4, None, None, True),
+        (8, 8, None, None, True), (2, 4, None, None, True), (4, 4, None, None, False),
+        (4, 4, 2048, None, False)],
+    4: [(4, 4, None, None, True), (4, 8, None, None, True), (8, 8, None, None, True),
+        (2, 4, None, None, True)],
 }
 
 
 def rows_variants(tokens: int, k: int) -> list:
     whole = 1 << (k - 1).bit_length()
     return [Plan(16, rows, kernel="rows", num_warps=warps, num_stages=1, block_k=bk or whole,
-                 max_registers=regs)
-            for rows, warps, bk, regs in ROWS_VARIANTS.get(tokens, [])]
+                 max_registers=regs, half2=half2)
+            for rows, warps, bk, regs, half2 in ROWS_VARIANTS.get(tokens, [])]
 
 
 def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: bool = True) -> list:
@@ -152,7 +166,7 @@ def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: b
     weights-first kernel) and its alternatives, the weights-first kernel's variants."""
     default = kernels.default_plan(tokens, n, k, GROUP, sms)
     plans = split_variants(tokens, n, k, sms)
-    plans = (plans if split_alternatives else plans[:1]) + rows_variants(tokens, k)
+    plans = (plans if split_alternatives else plans[:2]) + rows_variants(tokens, k)
     unique = []
     for plan in plans:
         if plan.split_k == 1 and plan.reduce == "last":

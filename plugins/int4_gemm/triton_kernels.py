@@ -28,7 +28,8 @@ kernel (``reduce="kernel"``) or by the last program of the row block to finish (
 one launch; programs count arrivals on a per-tile int32 counter that the last one resets). The
 launch depends on shapes only (no host syncs): a decode step can be captured in a CUDA graph.
 Decode launches use programmatic dependent launch (`trtc.plugins.pdl`): a program reads its first
-zeros and scales before waiting for the previous kernel.
+zeros and scales before waiting for the previous kernel, and (``Plan.prefetch``) may first ask L2
+for its whole slice of the packed weight, one bulk prefetch a row (`_prefetch_rows`).
 
 A second kernel, `_int4_rows`, serves the decode steps where it measured faster (`default_plan`):
 "weights first", as the dense GEMV of runtime/triton_gemv.py. A program owns ``ROWS`` whole rows
@@ -38,9 +39,13 @@ loaded as up to three power-of-two pieces; or, for a plan's shorter steps, the f
 the wait and each next one a step ahead, into registers). After the wait it reads x and reduces
 in CUDA cores: the asm above without the scale gives ``q - z`` exactly in fp16, converted to fp32
 and multiplied by x in fp32 FMAs, one sum per group then times its scale (so the weight is never
-rounded: closer to the reference than the dot kernel). Each token is one more pass of FMAs, so it
-takes few tokens (`ROWS_MAX_TOKENS`); a variant on the matrix units (``tl.dot`` on register
-tiles) took 3.6-5.1x the split kernel's time and was removed.
+rounded: closer to the reference than the dot kernel). With fp16 activations (``Plan.half2``,
+`_step_half2`) the products are packed f16x2 FMAs instead: the weight read as 32-bit words, x as
+int32 column pairs put in the weight's lane order, four products a lane summed in fp16 and then
+in fp32 (x taken times 1/16 so that those sums cannot overflow), about 1 instruction per weight
+and token instead of 3. Each token is one more pass of FMAs, so it takes few tokens
+(`ROWS_MAX_TOKENS`); a variant on the matrix units (``tl.dot`` on register tiles) took 3.6-5.1x
+the split kernel's time and was removed.
 """
 from __future__ import annotations
 
@@ -230,16 +235,43 @@ def _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i, G, GPS: tl.constexpr):
             tl.load(scales_ptr + meta + g[None, :], mask=ok, other=0.0))
 
 
+# One bulk L2 prefetch (sm_90: the copy engine fetches ``$2`` bytes from ``$1`` into L2; no
+# registers, no completion to wait for) where ``$2`` is not 0. ``$1`` and ``$2`` must be
+# multiples of 16 (the launch checks the row stride and the base).
+_PREFETCH_L2 = tl.constexpr("""
+{
+.reg .pred p;
+setp.ne.u32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}
+""")
+
+
+@triton.jit
+def _prefetch_rows(qweight_ptr, rows, row_ok, KB, byte_begin, byte_end):
+    """Ask L2 for bytes ``byte_begin .. byte_end`` of each row of ``rows`` (one bulk prefetch a
+    row). The packed weight is constant (trtc.plugins.pdl), so this goes before the wait: the
+    whole slice streams from HBM while the previous kernel finishes, and the pipelined loop
+    after the wait reads it from L2."""
+    end = tl.minimum(byte_end, KB)
+    nbytes = tl.where(row_ok & (end > byte_begin), end - byte_begin, 0).to(tl.int32)
+    addr = (qweight_ptr + rows.to(tl.int64) * KB + byte_begin).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [addr, nbytes], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["T", "iters_per_split", "splits"])
 def _int4_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partial_ptr,
               counter_ptr, T, N, K, KB, G, iters_per_split, splits,
               GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr,
               EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-              PDL: tl.constexpr):
+              PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """``BLOCK_T`` tokens x ``BLOCK_N`` rows; K in steps of ``BLOCK_K`` columns (several groups:
     each row is read ``BLOCK_K / 2`` contiguous bytes at a time). The loads are pipelined by
-    Triton (cp.async into shared memory, ``num_stages``)."""
+    Triton (cp.async into shared memory, ``num_stages``); with ``PREFETCH`` the program's whole
+    slice of the packed weight is first requested into L2, before the wait."""
     HALF: tl.constexpr = GROUP // 2
     GPS: tl.constexpr = BLOCK_K // GROUP              # groups per step
     BKB: tl.constexpr = BLOCK_K // 2                  # packed bytes per row per step
@@ -263,6 +295,8 @@ def _int4_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partia
     # wait a full memory round trip for them. (Two steps ahead, Triton 3.6 gives up pipelining
     # the weight and x loads.)
     zero0, scale0 = _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i_begin, G, GPS)
+    if PREFETCH:
+        _prefetch_rows(qweight_ptr, rows, row_ok, KB, i_begin * BKB, i_end * BKB)
     # x, y, the partial sums and the counters may belong to earlier kernels; the zeros and
     # scales above do not (trtc.plugins.pdl).
     pdl.begin(PDL)
@@ -312,8 +346,9 @@ def _sum_splits(partial_ptr, bias_ptr, y_ptr, T, N, splits, HAS_BIAS: tl.constex
 @triton.jit
 def _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, g0, GPS: tl.constexpr,
                HALF: tl.constexpr):
-    """Groups ``g0 .. g0 + GPS`` of ``rows``: packed bytes ``[ROWS, GPS * HALF]`` and the
-    groups' zeros and scales ``[ROWS, GPS]`` (masked past the row's end: they read nothing).
+    """Groups ``g0 .. g0 + GPS`` of ``rows``: packed weight ``[ROWS, GPS * HALF]`` (``HALF``
+    units a group, ``KB`` a row: bytes, or 32-bit words for `_step_half2`) and the groups'
+    zeros and scales ``[ROWS, GPS]`` (masked past the row's end: they read nothing).
     The bytes are one 2-D tile, columns fastest, so that a thread's 16-byte slice of a row is
     next to the same slice of its other rows (one x value serves them all)."""
     byte = g0 * HALF + tl.arange(0, GPS * HALF)
@@ -369,15 +404,132 @@ def _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS: tl.constexpr, GROU
     return acc
 
 
+# The half2 path of `_int4_rows` (fp16 activations): a 32-bit word of the packed weight (8
+# weights: bytes b0..b3, columns 0..7) unpacked into four f16x2 registers of q - z, exact, in
+# the lane order (0, 2), (4, 6), (1, 3), (5, 7) that the nibble asm above gives. $4 the word;
+# $5, $6 the group's -(1024 + z) and -(64 + z) in both halves. Outputs last: an output may share
+# a register with an input.
+_WORD_NIBBLES = tl.constexpr("""
+{
+.reg .b32 t0, t1, l0, l1, h0, h1, c;
+mov.b32 c, 0x2C002C00;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
+add.f16x2 l0, l0, $5;
+add.f16x2 l1, l1, $5;
+fma.rn.f16x2 h0, h0, c, $6;
+fma.rn.f16x2 h1, h1, c, $6;
+mov.b32 $0, l0;
+mov.b32 $1, l1;
+mov.b32 $2, h0;
+mov.b32 $3, h1;
+}
+""")
+# x's four column pairs of a word ($4..$7: columns (0, 1), (2, 3), (4, 5), (6, 7), as stored) in
+# the weight's lane order, times 1/16 (exact): the fp16 sums below stay far from overflow (four
+# products of |q - z| <= 15 reach 65504 only at |x| > 17000).
+_X_LANES = tl.constexpr("""
+{
+.reg .b32 a, b, c, d, s;
+mov.b32 s, 0x2C002C00;
+prmt.b32 a, $4, $5, 0x5410;
+prmt.b32 b, $6, $7, 0x5410;
+prmt.b32 c, $4, $5, 0x7632;
+prmt.b32 d, $6, $7, 0x7632;
+mul.f16x2 $0, a, s;
+mul.f16x2 $1, b, s;
+mul.f16x2 $2, c, s;
+mul.f16x2 $3, d, s;
+}
+""")
+# The 8 products of a word, in f16x2 FMAs (4 products a lane, rounded in fp16), then the two
+# lanes added in fp32: $1..$4 the weight's q - z, $5..$8 x in the same lanes.
+_WORD_DOT = tl.constexpr("""
+{
+.reg .b32 a;
+.reg .b16 lo, hi;
+.reg .f32 f0, f1;
+mul.f16x2 a, $1, $5;
+fma.rn.f16x2 a, $2, $6, a;
+fma.rn.f16x2 a, $3, $7, a;
+fma.rn.f16x2 a, $4, $8, a;
+mov.b32 {lo, hi}, a;
+cvt.f32.f16 f0, lo;
+cvt.f32.f16 f1, hi;
+add.f32 $0, f0, f1;
+}
+""")
+
+
+@triton.jit
+def _f16x2_of(v):
+    """fp32 values -> int32 holding the fp16 value in both halves."""
+    bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _step_half2(acc, words, zero, scale, x_ptr, KB, g0, TOKENS: tl.constexpr,
+                GROUP: tl.constexpr):
+    """`_step_fma` for fp16 x on packed 32-bit words (``words [ROWS, GPS * GROUP / 8]``, x as
+    int32 column pairs, row stride ``KB``): each weight unpacked once (1.25 instructions), its
+    products in f16x2 FMAs (0.5 a token) and 4 of them summed in fp16 before fp32 takes over, so
+    that a token costs about 1 instruction per weight instead of 3. Sums of four rounded fp16
+    products: relative error about 4e-4 against the fp32 path's 2e-4 (tests/test_int4_gemm_triton.py)."""
+    ROWS: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    GPS: tl.constexpr = zero.shape[1]
+    WPG: tl.constexpr = GROUP // 8
+    z = zero.to(tl.float32)
+    off_lo = _per_byte(_f16x2_of(-1024.0 - z), WPG)
+    off_hi = _per_byte(_f16x2_of(-64.0 - z), WPG)
+    l0, l1, h0, h1 = tl.inline_asm_elementwise(
+        _WORD_NIBBLES, "=r,=r,=r,=r,r,r,r", [words, off_lo, off_hi],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    s = scale.to(tl.float32) * 16.0                 # x was taken times 1/16
+    pair = (g0 * WPG + tl.arange(0, W))[:, None] * 4 + tl.arange(0, 4)[None, :]
+    toks = tl.arange(0, acc.shape[0])
+    for t in tl.static_range(TOKENS):
+        xp = tl.load(x_ptr + t * KB + pair, mask=pair < KB, other=0)           # [W, 4] int32
+        even, odd = tl.split(tl.reshape(xp, (W, 2, 2)))       # pairs (0, 2) and (1, 3)
+        p0, p2 = tl.split(even)
+        p1, p3 = tl.split(odd)
+        xa, xb, xc, xd = tl.inline_asm_elementwise(
+            _X_LANES, "=r,=r,=r,=r,r,r,r,r", [p0, p1, p2, p3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        dots = tl.inline_asm_elementwise(
+            _WORD_DOT, "=f,r,r,r,r,r,r,r,r",
+            [l0, l1, h0, h1, xa[None, :], xb[None, :], xc[None, :], xd[None, :]],
+            dtype=tl.float32, is_pure=True, pack=1)
+        part = tl.sum(tl.sum(tl.reshape(dots, (ROWS, GPS, WPG)), axis=2) * s, axis=1)
+        acc = tl.where((toks == t)[:, None], acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _step_sum(acc, packed, zero, scale, x_ptr, K, KB, g0, TOKENS: tl.constexpr,
+              GROUP: tl.constexpr, ASM: tl.constexpr, HALF2: tl.constexpr):
+    if HALF2:
+        acc = _step_half2(acc, packed, zero, scale, x_ptr, KB, g0, TOKENS, GROUP)
+    else:
+        acc = _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS, GROUP, ASM)
+    return acc
+
+
 @triton.jit
 def _rows_step(acc, packed, zero, scale, g0, x_ptr, qweight_ptr, zeros_ptr, scales_ptr, rows,
-               row_ok, K, KB, G, GROUP: tl.constexpr, TOKENS: tl.constexpr, ASM: tl.constexpr):
+               row_ok, K, KB, WS, G, GROUP: tl.constexpr, TOKENS: tl.constexpr,
+               ASM: tl.constexpr, HALF2: tl.constexpr, PER: tl.constexpr):
     """One step of `_int4_rows`: request the next step's weights (past the last step the masks
     are all off: nothing is read), then reduce this one's. Returns (acc, next step's weights)."""
     GPS: tl.constexpr = zero.shape[1]
-    ahead = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, g0 + GPS, GPS,
-                       GROUP // 2)
-    acc = _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS, GROUP, ASM)
+    ahead = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, g0 + GPS, GPS,
+                       PER)
+    acc = _step_sum(acc, packed, zero, scale, x_ptr, K, KB, g0, TOKENS, GROUP, ASM, HALF2)
     return acc, ahead[0], ahead[1], ahead[2]
 
 
@@ -385,32 +537,35 @@ def _rows_step(acc, packed, zero, scale, g0, x_ptr, qweight_ptr, zeros_ptr, scal
 def _int4_rows(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, T, N, K, KB, G,
                GROUP: tl.constexpr, ROWS: tl.constexpr, GPS: tl.constexpr,
                STEPS: tl.constexpr, GB: tl.constexpr, GC: tl.constexpr, BLOCK_T: tl.constexpr,
-               TOKENS: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
-               PDL: tl.constexpr):
+               TOKENS: tl.constexpr, ASM: tl.constexpr, HALF2: tl.constexpr,
+               HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """``ROWS`` whole rows of ``TOKENS`` tokens. A row's groups are either ``STEPS`` steps of
     ``GPS`` groups, or (``STEPS == 0``) up to three power-of-two pieces of ``GPS``, ``GB``,
-    ``GC`` groups (`row_pieces`), all of them loaded before the wait."""
-    HALF: tl.constexpr = GROUP // 2
+    ``GC`` groups (`row_pieces`), all of them loaded before the wait. With ``HALF2`` the weight
+    and x come as int32 (32-bit words of packed weight, pairs of fp16 columns: `_step_half2`)."""
+    # Units of the packed weight per group, and its row stride in them: bytes, or words.
+    PER: tl.constexpr = GROUP // 8 if HALF2 else GROUP // 2
+    WS = KB // 4 if HALF2 else KB
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     acc = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
     # The weights are constants (trtc.plugins.pdl): they are requested before the wait for the
     # previous kernel, so they stream while it finishes: the whole row, or the first step (each
     # later step's are requested one step ahead, into registers).
-    pa, za, sa = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, 0, GPS, HALF)
+    pa, za, sa = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, 0, GPS, PER)
     if STEPS == 0:
         if GB > 0:
-            pb, zb, sb = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, GPS,
-                                    GB, HALF)
+            pb, zb, sb = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, GPS,
+                                    GB, PER)
         if GC > 0:
-            pc, zc, sc = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G,
-                                    GPS + GB, GC, HALF)
+            pc, zc, sc = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G,
+                                    GPS + GB, GC, PER)
         pdl.begin(PDL)
-        acc = _step_fma(acc, pa, za, sa, x_ptr, K, 0, TOKENS, GROUP, ASM)
+        acc = _step_sum(acc, pa, za, sa, x_ptr, K, KB, 0, TOKENS, GROUP, ASM, HALF2)
         if GB > 0:
-            acc = _step_fma(acc, pb, zb, sb, x_ptr, K, GPS, TOKENS, GROUP, ASM)
+            acc = _step_sum(acc, pb, zb, sb, x_ptr, K, KB, GPS, TOKENS, GROUP, ASM, HALF2)
         if GC > 0:
-            acc = _step_fma(acc, pc, zc, sc, x_ptr, K, GPS + GB, TOKENS, GROUP, ASM)
+            acc = _step_sum(acc, pc, zc, sc, x_ptr, K, KB, GPS + GB, TOKENS, GROUP, ASM, HALF2)
     else:
         pdl.begin(PDL)
         # Few steps are unrolled: a loop would carry the packed bytes in one register each
@@ -418,13 +573,13 @@ def _int4_rows(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, T, N,
         if STEPS <= 8:
             for i in tl.static_range(STEPS):
                 acc, pa, za, sa = _rows_step(acc, pa, za, sa, i * GPS, x_ptr, qweight_ptr,
-                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, G,
-                                             GROUP, TOKENS, ASM)
+                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, WS, G,
+                                             GROUP, TOKENS, ASM, HALF2, PER)
         else:
             for i in range(STEPS):
                 acc, pa, za, sa = _rows_step(acc, pa, za, sa, i * GPS, x_ptr, qweight_ptr,
-                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, G,
-                                             GROUP, TOKENS, ASM)
+                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, WS, G,
+                                             GROUP, TOKENS, ASM, HALF2, PER)
     toks = tl.arange(0, BLOCK_T)
     tok_ok = toks < T
     mask = tok_ok[:, None] & row_ok[None, :]
@@ -444,7 +599,11 @@ class Plan:
     whole rows per program (a power of two), ``block_k`` columns per step (rounded up to a
     power of two number of groups; the whole row, loaded before the wait, when it covers K);
     ``block_t``, ``split_k`` and ``reduce`` unused. ``max_registers`` caps the registers of a
-    thread (so that a given number of programs fits on an SM; None: the compiler's choice)."""
+    thread (so that a given number of programs fits on an SM; None: the compiler's choice).
+    ``prefetch`` (split kernel, on GPUs with bulk prefetches: sm_90 and later): each program
+    first asks L2 for its whole slice of the packed weight, before the wait for the previous
+    kernel. ``half2`` (rows kernel, fp16 activations, K a multiple of 8): products in packed
+    f16x2 FMAs (`_step_half2`) instead of fp32 ones."""
     block_t: int
     block_n: int
     split_k: int = 1
@@ -454,6 +613,8 @@ class Plan:
     block_k: int = 256
     max_registers: int | None = None
     kernel: str = "split"
+    prefetch: bool = False
+    half2: bool = False
 
 
 # Tokens `_int4_rows` takes (each is one more pass of FMAs over the unpacked weights).
@@ -512,28 +673,50 @@ def split_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132
         # once; the last program of a row block adds the partial sums (one launch). On the
         # Llama-7B projections it took 5-17% less time than 128-row programs (two warpgroups,
         # two per SM) and 18-36% less than 128-column steps.
+        # Layers of at most 4096 x 4096 prefetch each program's slice into L2 before the wait
+        # (4-5% less time at 4..16 tokens; 4-5% more on the larger layers: 2026-12-04).
         split = split_k_for(-(-n // 64), -(-k // block_k), 3 * sm_count, tokens, k)
-        return Plan(16, 64, split, reduce="last", num_warps=4, num_stages=3, block_k=block_k)
+        return Plan(16, 64, split, reduce="last", num_warps=4, num_stages=3, block_k=block_k,
+                    prefetch=n * k <= 4096 * 4096)
     # Prefill (compute-bound): 64 tokens x 128 rows, one group (128 columns) per step; it took
     # 16-34% less time than 128 x 128 tiles with 8 warps.
     return Plan(64, 128, 1, num_warps=4, num_stages=3, block_k=max(128, group_size))
 
 
-def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132) -> Plan:
+def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132,
+                 fp16: bool = True) -> Plan:
     """The launch measured fastest for ``[tokens, k] @ [n, k].T`` on an H200 (docs/gpu-kernels.md,
-    2026-12-03, third session; ``benchmark.py`` times the alternatives)."""
+    2026-12-04; ``benchmark.py`` times the alternatives). ``fp16``: the activations are fp16 (the
+    rows kernel's half2 products; bf16 and fp32 take its fp32 ones)."""
     if tokens == 1:
-        # The weights-first kernel, 8 rows a program, the whole row loaded before the wait:
-        # 4.6 / 11.1 / 14.0 us on the Llama-7B projections against 8.9 / 16.0 / 16.3 us for
-        # the split kernel. 4 warps where a row is one 2048-byte piece, 8 for the 5.5 KB rows
-        # of K = 11008 (14.0 against 14.6 us).
+        # The weights-first kernel, 8 rows a program, the whole row loaded before the wait, half2
+        # products: 4.55 / 11.00 / 12.84 us on the Llama-7B projections, against 4.59 / 10.99 /
+        # 14.01 with fp32 products and 8.86 / 16.02 / 16.27 for the split kernel. 4 warps where a
+        # row is one 2048-byte piece, 8 for the 5.5 KB rows of K = 11008.
         return Plan(16, 8, kernel="rows", num_warps=4 if k <= 4096 else 8, num_stages=1,
-                    block_k=triton.next_power_of_2(k))
+                    block_k=triton.next_power_of_2(k), half2=fp16)
+    if tokens == 2 and fp16 and k <= 4096:
+        # Half2 products make a second token cheap enough on short rows: 6.63 / 15.66 us against
+        # the split kernel's 8.87 / 16.02 on [4096, 4096] / [11008, 4096] (21.8 against 16.3 on
+        # [4096, 11008]).
+        return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1,
+                    block_k=triton.next_power_of_2(k), half2=True)
     if tokens == 2 and n * k <= 4096 * 4096:
-        # Two passes of FMAs: it wins only where the split kernel's fixed cost is most of its
+        # fp32 products (bf16): it wins only where the split kernel's fixed cost is most of its
         # time (8.1 against 8.9 us on [4096, 4096]; 18.6-20.3 against 16.0 us on [11008, 4096]).
         return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1, block_k=2048)
     return split_plan(tokens, n, k, group_size, sm_count)
+
+
+@functools.lru_cache(maxsize=None)
+def _bulk_prefetch_on(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _has_bulk_prefetch(device: torch.device) -> bool:
+    """``cp.async.bulk.prefetch.L2`` needs sm_90 or later."""
+    return _bulk_prefetch_on(device.index if device.index is not None
+                             else torch.cuda.current_device())
 
 
 def _interpreting() -> bool:
@@ -584,16 +767,16 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if tokens == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
     groups = scales.shape[1]
+    mode = _dot_mode(x)
     if plan is None:
         sms = 132
         if x.is_cuda:
             sms = _sm_count(x.device.index if x.device.index is not None
                             else torch.cuda.current_device())
-        plan = default_plan(tokens, n, k, group_size, sms)
+        plan = default_plan(tokens, n, k, group_size, sms, fp16=mode == FP16)
     check_plan(plan, tokens)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     bias_arg = bias.contiguous() if bias is not None else scales   # unread when HAS_BIAS is off
-    mode = _dot_mode(x)
     asm = mode != FP32 and not _interpreting()
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.max_registers:
@@ -610,10 +793,14 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         steps, gb, gc = triton.cdiv(groups, gps), 0, 0
         if gps * group_size >= k:
             (gps, gb, gc), steps = row_pieces(groups), 0
+        # The half2 path reads 32-bit words: whole words per row, aligned.
+        half2 = (plan.half2 and asm and mode == FP16 and k % 8 == 0
+                 and qweight.data_ptr() % 4 == 0 and x2.data_ptr() % 4 == 0)
         _int4_rows[(triton.cdiv(n, plan.block_n),)](
-            x2, qweight, scales, zeros, bias_arg, y, tokens, n, k, k // 2, groups,
+            x2.view(torch.int32) if half2 else x2, qweight.view(torch.int32) if half2 else qweight,
+            scales, zeros, bias_arg, y, tokens, n, k, k // 2, groups,
             GROUP=group_size, ROWS=plan.block_n, GPS=gps, STEPS=steps, GB=gb, GC=gc,
-            BLOCK_T=triton.next_power_of_2(tokens), TOKENS=tokens, ASM=asm,
+            BLOCK_T=triton.next_power_of_2(tokens), TOKENS=tokens, ASM=asm, HALF2=half2,
             HAS_BIAS=bias is not None, **launch)
         return y.view(*x.shape[:-1], n)
     block_k = max(plan.block_k, group_size)
@@ -633,11 +820,13 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
             counters = arrival_counters(x.device, tiles)
     grid = (tiles, plan.split_k)
     steps = triton.cdiv(k, block_k)
+    prefetch = (plan.prefetch and asm and _has_bulk_prefetch(x.device)
+                and (k // 2) % 16 == 0 and qweight.data_ptr() % 16 == 0)
     _int4_dot[grid](x2, qweight, scales, zeros, bias_arg, y, partial, counters, tokens, n, k,
                     k // 2, groups, -(-steps // plan.split_k), plan.split_k,
                     GROUP=group_size, BLOCK_T=plan.block_t, BLOCK_N=plan.block_n, BLOCK_K=block_k,
                     MODE=mode, ASM=asm, EVEN_K=k % block_k == 0,
-                    HAS_BIAS=bias is not None, SPLIT=split, **launch)
+                    HAS_BIAS=bias is not None, SPLIT=split, PREFETCH=prefetch, **launch)
     if split == SPLIT_THEN_KERNEL:
         block = 1024
         _sum_splits[(triton.cdiv(tokens * n, block),)](partial, bias_arg, y, tokens, n,
