@@ -133,17 +133,17 @@ def test_rows_kernel_with_leading_dims_and_steps_past_the_row():
 def test_decode_steps_of_one_or_two_tokens_go_to_the_rows_kernel_where_it_won():
     plan = triton_kernels.default_plan
     assert plan(1, 4096, 4096, 128) == Plan(16, 8, kernel="rows", num_stages=1, block_k=4096,
-                                            half2=True)
+                                            half2=True, evict_first=True)
     assert plan(1, 4096, 11008, 128) == Plan(16, 8, kernel="rows", num_warps=8, num_stages=1,
-                                             block_k=16384, half2=True)
+                                             block_k=16384, half2=True, evict_first=True)
     assert plan(1, 11008, 4096, 128).kernel == "rows"
     assert not plan(1, 4096, 4096, 128, fp16=False).half2        # bf16: fp32 products
     # Two tokens: half2 products on rows of at most 4096 columns; bf16 on the small layer only.
     assert plan(2, 4096, 4096, 128) == Plan(16, 4, kernel="rows", num_stages=1, block_k=4096,
-                                            half2=True)
+                                            half2=True, evict_first=True)
     assert plan(2, 11008, 4096, 128).half2
     assert plan(2, 4096, 4096, 128, fp16=False) == Plan(16, 4, kernel="rows", num_stages=1,
-                                                        block_k=2048)
+                                                        block_k=2048, evict_first=True)
     for t, n, k, fp16 in ((2, 11008, 4096, False), (2, 4096, 11008, True), (3, 4096, 4096, True),
                           (16, 4096, 4096, True), (256, 4096, 4096, True)):
         assert plan(t, n, k, 128, fp16=fp16) == triton_kernels.split_plan(t, n, k, 128)

@@ -101,20 +101,22 @@ def plan_name(plan) -> str:
     if plan.kernel != "split":
         text = f"{plan.kernel} n{plan.block_n} k{plan.block_k} w{plan.num_warps}"
         text += " half2" if plan.half2 else ""
+        text += " ef" if plan.evict_first else ""
         return text + (f" r{plan.max_registers}" if plan.max_registers else "")
     text = f"t{plan.block_t} n{plan.block_n} k{plan.block_k} s{plan.split_k}"
     if plan.split_k > 1:
         text += f" {plan.reduce}"
     text += f" w{plan.num_warps} st{plan.num_stages}"
     text += " pf" if plan.prefetch else ""
+    text += " ef" if plan.evict_first else ""
     return text + (f" r{plan.max_registers}" if plan.max_registers else "")
 
 
 def split_variants(tokens: int, n: int, k: int, sms: int) -> list:
-    """The split-K dot kernel's decode plan, the same with the L2 prefetch, and the
-    alternatives around them: who adds the partial sums, pipeline depth, 128-row programs (two
-    warpgroups, registers capped for two programs an SM), 128-column steps (64 bytes of a row,
-    one group at a time)."""
+    """The split-K dot kernel's decode plan, the same with the L2 prefetch and with evict-first
+    weight loads, and the alternatives around them: who adds the partial sums, pipeline depth,
+    128-row programs (two warpgroups, registers capped for two programs an SM), 128-column
+    steps (64 bytes of a row, one group at a time)."""
     plan = kernels.split_plan(tokens, n, k, GROUP, sms)
     bk, split = plan.block_k, plan.split_k
 
@@ -133,7 +135,11 @@ def split_variants(tokens: int, n: int, k: int, sms: int) -> list:
     # The same with the L2 prefetch of each program's weight slice (`Plan.prefetch`), and
     # what it may change: fewer splits (a longer loop over data already in L2), more stages.
     fewer = Plan(16, 64, max(1, split // 2), "last", 4, 3, bk, prefetch=True)
-    return ([plan, prefetched(plan), fewer]
+    # And with the packed weight loaded evict-first (`Plan.evict_first`), with the plan's own
+    # prefetch setting and the other one.
+    evicting = Plan(**{**plan.__dict__, "evict_first": True})
+    flipped = Plan(**{**evicting.__dict__, "prefetch": not plan.prefetch})
+    return ([plan, prefetched(plan), evicting, flipped, fewer]
             + [prefetched(p) for p in alternatives[1:3]] + alternatives)
 
 
@@ -155,10 +161,14 @@ ROWS_VARIANTS = {
 
 
 def rows_variants(tokens: int, k: int) -> list:
+    """The variants of `ROWS_VARIANTS`, and the first two of them again with the packed weight
+    loaded evict-first (`Plan.evict_first`)."""
     whole = 1 << (k - 1).bit_length()
-    return [Plan(16, rows, kernel="rows", num_warps=warps, num_stages=1, block_k=bk or whole,
-                 max_registers=regs, half2=half2)
-            for rows, warps, bk, regs, half2 in ROWS_VARIANTS.get(tokens, [])]
+    plans = [Plan(16, rows, kernel="rows", num_warps=warps, num_stages=1, block_k=bk or whole,
+                  max_registers=regs, half2=half2)
+             for rows, warps, bk, regs, half2 in ROWS_VARIANTS.get(tokens, [])]
+    flipped = [Plan(**{**p.__dict__, "evict_first": not p.evict_first}) for p in plans[:2]]
+    return plans[:2] + flipped + plans[2:]
 
 
 def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: bool = True) -> list:
@@ -166,7 +176,7 @@ def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: b
     weights-first kernel) and its alternatives, the weights-first kernel's variants."""
     default = kernels.default_plan(tokens, n, k, GROUP, sms)
     plans = split_variants(tokens, n, k, sms)
-    plans = (plans if split_alternatives else plans[:2]) + rows_variants(tokens, k)
+    plans = (plans if split_alternatives else plans[:4]) + rows_variants(tokens, k)
     unique = []
     for plan in plans:
         if plan.split_k == 1 and plan.reduce == "last":
@@ -309,7 +319,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
     parser.add_argument("--decode-only", action="store_true", help="no prefill shapes")
     parser.add_argument("--no-split-variants", action="store_true",
-                        help="time the split-K kernel's decode plan only, not its alternatives")
+                        help="time the split-K kernel's decode plan (with and without the prefetch "
+                             "and evict-first loads) only, not its alternatives")
     parser.add_argument("--budget", type=float, default=TIME_BUDGET_S,
                         help="seconds for the timings, shared equally by the shapes (variants "
                              "past a shape's share are skipped)")
