@@ -8,6 +8,7 @@ divides by zero) and their logits are dropped."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -38,12 +39,23 @@ class CudaExecutor(TorchExecutor):
 
     def __init__(self, artifact_dir: str | Path, num_blocks: int | None = None, device: str = "cuda",
                  memory_fraction: float = 0.9, max_graph_batch: int | None = None, use_cuda_graphs: bool = True,
-                 fuse_kernels: bool = True):
+                 fuse_kernels: bool = True, int4_fragments: bool | None = None):
         self.fuse_kernels = fuse_kernels
+        # The fragment layout of the INT4 Linears (runtime/fusion.py): faster decode steps of
+        # 2..8 tokens for about as much memory again as those Linears; TRTC_INT4_FRAGMENTS=0
+        # (or int4_fragments=False) keeps the weights as stored only.
+        if int4_fragments is None:
+            int4_fragments = os.environ.get("TRTC_INT4_FRAGMENTS", "1") != "0"
+        self.int4_fragments = int4_fragments and fuse_kernels
         self.fusions: dict[str, int] = {}
         manifest = read_manifest(artifact_dir)
         if num_blocks is None:
             weight_bytes = manifest["graph"]["weight_bytes"]["total"]
+            quant = manifest.get("quantization", {})
+            if self.int4_fragments and quant.get("bits") == 4:
+                from trtc.plugins.int4_gemm.fragment_kernel import fragment_extra_bytes
+                weight_bytes += fragment_extra_bytes(quant["linear_weight_bytes_quantized"],
+                                                     quant["group_size"])
             num_blocks = blocks_for_memory(manifest, memory_fraction, torch.device(device), weight_bytes)
         super().__init__(artifact_dir, num_blocks, device)
         limits = manifest["limits"]
@@ -57,10 +69,11 @@ class CudaExecutor(TorchExecutor):
             self.capture_graphs()
 
     def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
-        """Fewer, fused kernels (runtime/fusion.py); ``fuse_kernels=False`` runs the graph as compiled."""
+        """Fewer, fused kernels (runtime/fusion.py); ``fuse_kernels=False`` runs the graph as
+        compiled; ``int4_fragments=False`` keeps Int4Gemm on the plugin-layout kernels only."""
         if not self.fuse_kernels:
             return graph
-        graph, counts = fuse(graph, self.constants, self.graph_outputs)
+        graph, counts = fuse(graph, self.constants, self.graph_outputs, self.int4_fragments)
         self.fusions = dict(counts)
         log.info("fused kernels: %s", ", ".join(f"{k} x{v}" for k, v in counts.items()))
         return graph

@@ -19,18 +19,30 @@ executor runs fewer, larger kernels:
 
 A pattern that does not match exactly (other consumers of an intermediate, other attributes) is
 left as it is.
+
+One rewrite changes how a node's weights are held rather than which nodes run:
+
+* ``Int4Gemm`` with fp16 constant weights becomes ``Int4GemmFragment``: the executor adds the
+  weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`) to its
+  constants, and decode steps of up to 8 tokens (16 on layers of at most 4096 x 4096) run that
+  kernel; other calls (prefill, larger batches) the plugin's kernels on the weights as stored,
+  which stay (the layout costs about as much memory again as the INT4 Linears,
+  `fragment_extra_bytes`).
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from trtc.runtime.torch_ops import OPS, GraphNode, _gemm, _rms_norm, _swiglu
+import torch
+
+from trtc.runtime.torch_ops import OPS, GraphNode, _gemm, _int4_gemm, _rms_norm, _swiglu
 
 RUNTIME_DOMAIN = "trtc.runtime"      # ops that exist only inside an executor, never in an artifact
 ADD_RMS_NORM = (RUNTIME_DOMAIN, "AddRMSNorm")
 QKV_ROTARY_CACHE_WRITE = (RUNTIME_DOMAIN, "QKVRotaryCacheWrite")
 PAGED_ATTENTION_CACHED = (RUNTIME_DOMAIN, "PagedAttentionCached")
 GEMM_SWIGLU = (RUNTIME_DOMAIN, "GemmSwiGLU")
+INT4_GEMM_FRAGMENT = (RUNTIME_DOMAIN, "Int4GemmFragment")
 
 
 def _add_rms_norm(x, attrs):
@@ -72,8 +84,23 @@ def _gemm_swiglu(x, attrs):
     return _swiglu(_gemm(x, attrs), {})
 
 
+def _int4_gemm_fragment(x, attrs):
+    a, qweight, scales, zeros, bias, words, records = x
+    n, k, group = attrs["out_features"], attrs["in_features"], attrs["group_size"]
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+    # On the CPU only in Triton's interpreter (the tests): the plugin's reference otherwise.
+    on_device = a.is_cuda or fk._interpreting()
+    plan = (fk.fragment_plan(a.numel() // k, n, k, group)
+            if on_device and a.dtype == torch.float16 else None)
+    if plan is None:
+        return _int4_gemm([a, qweight, scales, zeros, bias], attrs)
+    return [fk.int4_gemm_fragment(a, fk.FragmentWeight(words, records, n, k, group), bias,
+                                  plan=plan)]
+
+
 OPS.update({ADD_RMS_NORM: _add_rms_norm, QKV_ROTARY_CACHE_WRITE: _qkv_rotary_cache_write,
-            PAGED_ATTENTION_CACHED: _paged_attention_cached, GEMM_SWIGLU: _gemm_swiglu})
+            PAGED_ATTENTION_CACHED: _paged_attention_cached, GEMM_SWIGLU: _gemm_swiglu,
+            INT4_GEMM_FRAGMENT: _int4_gemm_fragment})
 
 
 class _Graph:
@@ -187,8 +214,34 @@ def _fuse_gemm_swiglu(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
     return count
 
 
-def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str]) -> tuple[list[GraphNode], Counter]:
-    """The node list with the patterns above fused, and how many of each were fused."""
+def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants: dict) -> int:
+    """Int4Gemm nodes whose fp16 weights the fragment kernel takes: their weights in its layout
+    added to ``constants`` (once per weight), the node rewritten to read both."""
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+    count = 0
+    for i, n in enumerate(g.nodes):
+        if n.op != ("trtc", "Int4Gemm") or i in replaced:
+            continue
+        qweight, scales, zeros = (constants.get(name) for name in n.inputs[1:4])
+        a = n.attrs
+        if (qweight is None or scales is None or zeros is None or scales.dtype != torch.float16
+                or fk.fragment_supports(a["out_features"], a["in_features"], a["group_size"])):
+            continue
+        words, records = (f"{n.inputs[1]}.fragment_{part}" for part in ("words", "records"))
+        if words not in constants:
+            fw = fk.fragment_pack(qweight, scales, zeros, a["group_size"])
+            constants[words], constants[records] = fw.words, fw.records
+        bias = n.inputs[4] if len(n.inputs) > 4 else ""
+        replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [*n.inputs[:4], bias, words, records],
+                                n.outputs, a)
+        count += 1
+    return count
+
+
+def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str],
+         int4_fragments: bool = True) -> tuple[list[GraphNode], Counter]:
+    """The node list with the patterns above fused, and how many of each were fused.
+    ``int4_fragments``: the Int4Gemm layout rewrite (it adds to ``constants``)."""
     # Axes and split sizes are small integer constants, kept on the host (torch_executor._to_torch).
     axis_values = {k: [int(x) for x in v.reshape(-1).tolist()] for k, v in constants.items()
                    if v.dtype.is_floating_point is False and v.numel() <= 8 and v.device.type == "cpu"}
@@ -196,6 +249,7 @@ def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str]) -> tu
     replaced: dict[int, GraphNode | None] = {}
     counts = Counter(qkv_rotary_cache_write=_fuse_qkv_rotary(g, replaced, axis_values),
                      add_rms_norm=_fuse_add_rms_norm(g, replaced),
-                     gemm_swiglu=_fuse_gemm_swiglu(g, replaced))
+                     gemm_swiglu=_fuse_gemm_swiglu(g, replaced),
+                     int4_fragment=_int4_fragments(g, replaced, constants) if int4_fragments else 0)
     fused = [replaced.get(i, n) for i, n in enumerate(nodes)]
     return [n for n in fused if n is not None], counts

@@ -2,7 +2,8 @@
 (no host work), against the bandwidth floor, and the kernels of the same step with their device
 times (torch.profiler on an eager run of the step; a graph replays the same kernels).
 
-    python -m trtc.runtime.profile ARTIFACT [--batch 1,64] [--context 256] [--unfused] [--ab] [--json FILE]
+    python -m trtc.runtime.profile ARTIFACT [--batch 1,64] [--context 256] [--unfused]
+        [--no-int4-fragments] [--ab] [--json FILE]
 
 ``--ab`` re-captures the graphs with programmatic dependent launch and the Triton GEMV each
 turned off and on (`trtc.plugins.pdl`, `runtime/triton_gemv.py`) and times every combination in
@@ -77,12 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", default="1,64")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--unfused", action="store_true", help="run the graph as compiled (no kernel fusion)")
+    p.add_argument("--no-int4-fragments", action="store_true",
+                   help="keep Int4Gemm on the plugin-layout kernels (no fragment-layout weights)")
     p.add_argument("--ab", action="store_true",
                    help="also time the graphs without PDL and/or with cuBLAS for the few-token projections")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     ex = CudaExecutor(args.artifact, max_graph_batch=max(batches), fuse_kernels=not args.unfused,
+                      int4_fragments=False if args.no_int4_fragments else None,
                       memory_fraction=0.5)
     manifest = ex.manifest
     bw = copy_bandwidth()

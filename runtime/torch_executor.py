@@ -68,7 +68,8 @@ class TorchExecutor:
         last_use: dict[str, int] = {}
         for i, (_, inputs, _, _) in enumerate(self.nodes):
             for name in inputs:
-                last_use[name] = i
+                if name:                               # "": an absent optional input
+                    last_use[name] = i
         self.release = [[n for n in inputs if last_use.get(n) == i and n not in self.constants
                          and n not in self.graph_outputs] for i, (_, inputs, _, _) in enumerate(self.nodes)]
 

@@ -34,7 +34,8 @@ def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
     plain, fused = TorchExecutor(art, 16, DEVICE), FusedExecutor(art, 16, DEVICE)
     # 2 layers: q/k/v rotary + cache write per layer; every residual Add feeds a norm but the
     # last; the gate/up projection and its SwiGLU per layer.
-    assert fused.fusions == {"qkv_rotary_cache_write": 2, "add_rms_norm": 3, "gemm_swiglu": 2}
+    assert fused.fusions == {"qkv_rotary_cache_write": 2, "add_rms_norm": 3, "gemm_swiglu": 2,
+                             "int4_fragment": 0}
     assert len(fused.nodes) == len(plain.nodes) - 2 * 6 - 3 - 2
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
@@ -42,6 +43,34 @@ def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
     for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.kv_pool.cpu(), plain.kv_pool.cpu(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_fp16(tmp_path_factory):
+    """tiny-llama in fp16 with INT4 (RTN, group 64) Linears: q/k/v, o and gate/up (K = 64) take
+    the fragment layout, down (K = 160, no multiple of 64) does not."""
+    from conftest import build_quiet
+    from trtc.compiler.config import parse_config
+    cfg = parse_config({"model": {"source": "tiny", "name": "tiny-llama"}, "precision": "fp16",
+                        "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
+                        "quantization": {"method": "rtn", "group_size": 64, "partial_groups": True}})
+    return build_quiet(cfg, tmp_path_factory.mktemp("int4") / "tiny-llama-rtn")
+
+
+def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
+    plain, fused = TorchExecutor(tiny_int4_fp16, 16, DEVICE), FusedExecutor(tiny_int4_fp16, 16, DEVICE)
+    assert fused.fusions["int4_fragment"] == 6
+    added = {n for n in fused.constants if ".fragment_" in n}
+    assert len(added) == 12 and not added & set(plain.constants)
+    ops = [n[0] for n in fused.nodes]
+    from trtc.runtime.fusion import _int4_gemm_fragment
+    assert ops.count(_int4_gemm_fragment) == 6
+    # A prefill of 57 tokens (the plugin's kernels), then decode steps of 2 (the fragment kernel).
+    prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
+    steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
+    steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]
+    for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
 
 
 def test_unmatched_patterns_are_left_alone(tiny_artifacts):
@@ -58,18 +87,24 @@ def test_unmatched_patterns_are_left_alone(tiny_artifacts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_cuda_executor_fused_matches_unfused(tmp_path_factory, kv_dtype):
+@pytest.mark.parametrize("kv_dtype, int4", [("auto", False), ("fp8", False), ("auto", True)])
+def test_cuda_executor_fused_matches_unfused(tmp_path_factory, kv_dtype, int4):
     from conftest import build_quiet
     from trtc.compiler.config import parse_config
     from trtc.runtime.cuda_executor import CudaExecutor
+    quant = {"calibration": {"num_samples": 4, "seq_len": 64}}
+    if int4:
+        quant.update(method="rtn", group_size=64, partial_groups=True)
     cfg = parse_config({"model": {"source": "tiny", "name": "tiny-llama"}, "precision": "fp16",
                         "kv_cache": {"dtype": kv_dtype}, "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
-                        "quantization": {"calibration": {"num_samples": 4, "seq_len": 64}}})
-    art = build_quiet(cfg, tmp_path_factory.mktemp("fusion") / kv_dtype)
+                        "quantization": quant})
+    art = build_quiet(cfg, tmp_path_factory.mktemp("fusion") / f"{kv_dtype}-{int4}")
     plain = CudaExecutor(art, 64, fuse_kernels=False)
     fused = CudaExecutor(art, 64)
-    assert fused.fusions["qkv_rotary_cache_write"] == 2 and fused.fusions["gemm_swiglu"] == 2
+    if int4:     # the decode graphs run the fragment kernel: q/k/v, o and gate/up of 2 layers
+        assert fused.fusions["int4_fragment"] == 6 and fused.fusions["gemm_swiglu"] == 0
+    else:
+        assert fused.fusions["qkv_rotary_cache_write"] == 2 and fused.fusions["gemm_swiglu"] == 2
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
     steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(4)]

@@ -1,6 +1,6 @@
 """Check and time the Triton Int4Gemm kernels on a GPU, in one call, against the torch reference,
-torch's fp16 matmul of the same shape and the device's measured copy bandwidth. Runs standalone
-from the repository root (no install needed):
+torch's fp16 matmul of the same shape and the device's measured copy bandwidth. Runs from the
+repository root (trtc importable):
 
     python3 plugins/int4_gemm/benchmark.py [--out int4.json] [--decode-only]
         [--no-split-variants] [--budget SECONDS]
@@ -11,6 +11,9 @@ Shapes ``[N, K]``: the Llama-7B projections [4096, 4096] (q/k/v/o), [11008, 4096
 * Decode, 1/2/4/8/16 tokens: figure of merit = packed-weight bytes (N * K / 2) per second, over
   the bandwidth of a large device-to-device copy measured in the same run (bytes read + written).
   Scales and zeros add 3/64 of that (in ``all_bytes_fraction`` with x and y, not in the figure).
+  After the plugin-layout kernels' plans, the fragment kernel's (`fragment_kernel.py`, on the
+  same weight sets in its layout; ``*`` in its summary marks `fragment_plan`'s choice, what the
+  CUDA executor runs).
 * Prefill, 256 and 1024 tokens: TFLOP/s (2 T N K per call) against torch fp16 matmul.
 
 Every variant is checked against the fp32 reference before it is timed. Times are medians of
@@ -50,6 +53,7 @@ def _load(name: str):
 
 kernels = _load("triton_kernels")
 reference = _load("reference")
+fragment = _load("fragment_kernel")
 Plan = kernels.Plan
 
 
@@ -186,6 +190,28 @@ def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: b
     return [None] + unique
 
 
+def fragment_variants(tokens: int, n: int, k: int) -> list:
+    """The fragment kernel's plan (`fragment.fragment_plan`: what the CUDA executor runs; where
+    it is None, 8 warps a tile, timed to show the loss), the other warp counts, two tiles a
+    program and evict-first words: those whose lanes hold at most 96 steps (48 with two mma's)."""
+    chosen = fragment.fragment_plan(tokens, n, k, GROUP)
+    base = chosen or fragment.FragmentPlan(1, 8)
+    limit = 48 if tokens > fragment.ONE_MMA_TOKENS else 96
+    plans = [base] + [fragment.FragmentPlan(1, w) for w in (4, 8, 16)]
+    plans += [fragment.FragmentPlan(2, base.warps_k),
+              fragment.FragmentPlan(base.tiles, base.warps_k, evict_first=True)]
+    unique = []
+    for plan in plans:
+        steps = -(-(k // GROUP) // plan.warps_k) * (GROUP // fragment.STEP_COLS)
+        if plan not in unique and (steps <= limit or plan == base):
+            unique.append(plan)
+    return unique
+
+
+def fragment_name(plan) -> str:
+    return f"fragment t{plan.tiles} w{plan.warps_k}" + (" ef" if plan.evict_first else "")
+
+
 def prefill_variants() -> list:
     return [None, Plan(128, 128, num_warps=8, num_stages=3, block_k=128)]
 
@@ -199,6 +225,7 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
     dense = [w_ref.half()] + [torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02
                               for _ in range(max(2, math.ceil(ROTATION_BYTES / (2 * n * k))) - 1)]
     kw = dict(group_size=GROUP, in_features=k, out_features=n)
+    fsets = None                        # the weight sets in the fragment layout, when timed
     for tokens in token_counts:
         decode = tokens <= 16
         x = torch.randn(tokens, k, device=DEVICE, dtype=torch.float16)
@@ -241,6 +268,34 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
                   + (f"{row['fraction_of_copy_bw'] * 100:5.1f}% copy bw" if decode
                      else f"{row['tflops']:6.1f} TFLOP/s") + f"  x{row['speedup_vs_fp16']:.2f} vs fp16",
                   flush=True)
+        if decode and not fragment.fragment_supports(n, k, GROUP):
+            if fsets is None:
+                fsets = [fragment.fragment_pack(*s, GROUP) for s in sets]
+            chosen = fragment.fragment_plan(tokens, n, k, GROUP)
+            for plan in fragment_variants(tokens, n, k):
+                name = fragment_name(plan)
+                if time.monotonic() > deadline:
+                    rows.append({**base, "variant": name, "skipped": "time budget"})
+                    continue
+                try:
+                    err = rel_err(fragment.int4_gemm_fragment(x, fsets[0], plan=plan), want)
+                except Exception as e:
+                    failures.append(f"{n}x{k} T={tokens} {name}: {type(e).__name__}: {e}"[:300])
+                    continue
+                if not err < 2e-3:
+                    failures.append(f"{n}x{k} T={tokens} {name}: relative error {err:.2e}")
+                    continue
+                us = per_call_us([lambda f=f: fragment.int4_gemm_fragment(x, f, plan=plan)
+                                  for f in fsets])
+                rows.append({**base, "variant": name, "plan": plan.__dict__, "fragment": True,
+                             "chosen": plan == chosen, "rel_err": err, "us": us,
+                             "speedup_vs_fp16": fp16_us / us,
+                             "tflops": 2 * tokens * n * k / (us * 1e-6) / 1e12,
+                             "packed_GBps": packed / (us * 1e-6) / 1e9,
+                             "fraction_of_copy_bw": packed / (us * 1e-6) / bw})
+                print(f"{n:5d}x{k:<5d} T={tokens:4d} {name:38s} {us:8.2f} us  err {err:.1e}  "
+                      f"{rows[-1]['fraction_of_copy_bw'] * 100:5.1f}% copy bw  "
+                      f"x{fp16_us / us:.2f} vs fp16", flush=True)
         # The default plan once more, last: the spread between its two times is the noise.
         if default_calls is not None:
             rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
@@ -297,7 +352,8 @@ def summary(rows, bw):
         again = next((r for r in group if r["variant"] == "default (again)"), None)
         no_pdl = next((r for r in group if r["variant"] == "default, no PDL"), None)
         ours = [r for r in group if r["variant"] not in ("torch fp16 matmul", "default (again)",
-                                                          "default, no PDL")]
+                                                          "default, no PDL")
+                and not r.get("fragment")]
         if not ours or fp16 is None:
             continue
         best = min(ours, key=lambda r: r["us"])
@@ -312,6 +368,21 @@ def summary(rows, bw):
               f"{best['speedup_vs_fp16']:6.2f} | {split['us']:8.2f} {fp16['us']:8.2f}"
               + (f"  (default again {again['us']:.2f})" if again else "")
               + (f"  (no PDL {no_pdl['us']:.2f})" if no_pdl else ""))
+    frag = [r for r in rows if r.get("fragment") and "us" in r]
+    if not frag:
+        return
+    print("\nfragment kernel (plugins/int4_gemm/fragment_kernel.py; * = fragment_plan's choice, "
+          "what the CUDA executor runs): time, % of copy bandwidth, default-plan time / its time")
+    for n, k, tokens in keys:
+        group = [r for r in frag if (r["n"], r["k"], r["tokens"]) == (n, k, tokens)]
+        default = next((r for r in rows if (r["n"], r["k"], r["tokens"]) == (n, k, tokens)
+                        and r["variant"] == "default" and "us" in r), None)
+        if not group or default is None:
+            continue
+        cells = "  ".join(f"{'*' if r['chosen'] else ' '}{r['variant'][9:]} {r['us']:.2f} us "
+                          f"{r['fraction_of_copy_bw'] * 100:.1f}% x{default['us'] / r['us']:.2f}"
+                          for r in group)
+        print(f"{n:5d}x{k:<5d} {tokens:3d} | default {default['us']:.2f} us | {cells}")
 
 
 def main() -> int:

@@ -1,0 +1,425 @@
+"""`trtc::Int4Gemm` for decode steps of 1..16 tokens on the matrix units, from registers: the
+"fragment" kernel. Semantics are the reference's (`reference.py`); the weight is read in a
+layout made for it at load time (`fragment_pack`), not the plugin's ``[N, K/2]`` bytes.
+
+Why another kernel: the weights-first rows kernel (`triton_kernels._int4_rows`) multiplies in
+CUDA cores, about one instruction per weight and token, so it only wins at one or two tokens; the
+split kernel uses the matrix units but Triton stages its weights through shared memory and
+issues their loads after the wait for the previous kernel. Here each warp multiplies a 16-row
+tile with ``mma.sync.m16n8k16`` straight from registers, which costs nearly the same at 1 and
+at 8 tokens (16 with a second mma a step), and all of a program's weights are requested before
+the wait (as the rows kernel does). Measured (docs/gpu-kernels.md): 1.3-1.85x the plugin-layout
+kernels at 2..8 tokens, 3-5% faster at one.
+
+The fragment layout. ``mma.sync.m16n8k16`` (fp16 inputs, fp32 accumulators) wants lane ``l =
+4 g + c`` of a warp to hold, of a 16 x 16 weight tile, rows ``g`` and ``g + 8`` at four of the
+16 columns (its A fragment: 8 weights, one 32-bit word of nibbles), and of x the same four
+columns for token ``g`` (its B fragment). Which four does not matter as long as A and B agree
+(the mma sums over them), so they are chosen to make x's loads wide: in each block of 64 columns
+(four steps) lane c takes columns ``16 c .. 16 c + 15``, four a step, so its B fragments of four
+steps are 32 contiguous bytes of x. `fragment_pack` stores, for each 16-row tile ``r`` and
+64-column block ``b``, the 32 lanes' words of steps ``u = 0..3``, nibble ``m`` (bits ``4m ..
+4m + 3``) of a lane's word holding::
+
+    row = 16 r + g + 8 * (m & 1),   col = 64 b + 16 c + 4 u + 2 * ((m >> 1) & 1) + (m >> 2)
+
+so that two LOP3s of the word (nibbles 0/4 and 1/5) and two of the word shifted right by 8 (2/6
+and 3/7) give the four f16x2 registers of the A operand in order. Words are stored ``[N/16,
+K/64, 32 lanes, 4 steps]``: a lane loads four steps in one 16-byte load, a warp 512 contiguous
+bytes. Per (tile, group, g) an 8-byte record (fp16): ``-(1024 + z)`` of row g, ``-(64 + z)`` of
+row g + 8 (the dequantization's offsets, see below) and the two rows' scales. The layout holds
+the same bytes as the plugin's packed weight, and records of 4 bytes per row and group instead
+of 3 for scales and zeros.
+
+Dequantization (inline PTX, as the other kernels): OR-ing a nibble into the mantissa of 1024
+gives ``1024 + q`` exactly; for the high nibble of a byte pair it is ``1024 + 16 q``, taken
+times 1/16. Adding the record's offset gives ``q - z`` exactly in fp16; the mma multiplies by x
+and sums in fp32; each group's sums are multiplied by its scale in fp32 (the weight is never
+rounded). A program owns ``TILES`` 16-row tiles; ``WARPS_K`` warps share a tile's columns,
+``CHUNK`` groups each, and their sums are added at the end (the tile's last warps may have
+nothing to do: their groups past K are predicated off).
+
+Only the elementwise inline asm puts tensors in registers here, so the kernel depends on each
+``[32 * num_warps]`` tensor having element ``i`` in lane ``i % 32`` of warp ``i // 32`` (Triton's
+default layout for such a tensor; a test compiles the kernel for sm_90 and checks it) and on the asm
+being executed by the whole warp at once (mma.sync is warp-wide). Triton's CPU interpreter runs
+a portable version of the same loads and arithmetic (``ASM=False``).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from trtc.plugins import pdl
+from trtc.plugins.int4_gemm.reference import unpack_int4
+from trtc.plugins.int4_gemm.triton_kernels import _interpreting
+
+TILE_ROWS = 16          # an mma's M
+STEP_COLS = 16          # an mma's K
+MAX_TOKENS = 16         # two mma's of N = 8 a step
+
+
+@dataclass(frozen=True)
+class FragmentWeight:
+    """One Int4Gemm weight in the fragment layout (module docstring): ``words`` int32 ``[N/16,
+    K/64, 32, 4]``, ``records`` fp16 ``[N/16, G, 8, 4]``; plus the layer's shape."""
+    words: torch.Tensor
+    records: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+
+    @property
+    def groups(self) -> int:
+        return self.records.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.records.numel() * 2
+
+
+def fragment_supports(out_features: int, in_features: int, group_size: int) -> str | None:
+    """None if the fragment kernel takes this layer, else why not."""
+    if out_features % TILE_ROWS:
+        return f"out_features {out_features} is not a multiple of {TILE_ROWS}"
+    if group_size not in (64, 128, 256):
+        return f"group size {group_size} is not 64, 128 or 256"
+    if in_features % group_size or in_features % 64:
+        return f"in_features {in_features} is not a multiple of the group size and of 64"
+    return None
+
+
+def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int) -> FragmentWeight:
+    """The plugin's ``qweight [N, K/2]``, ``scales [N, G]`` (fp16), ``zeros [N, G]`` in the
+    fragment layout (on their device; torch ops, a load-time step)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    why = fragment_supports(n, k, group_size)
+    if why:
+        raise ValueError(f"Int4Gemm fragment layout: {why}")
+    q = unpack_int4(qweight).to(torch.int32)                          # [N, K]
+    tiles, blocks = n // TILE_ROWS, k // 64
+    # row = 16 r + 8 hb + g, col = 64 b + 16 c + 4 u + 2 kh + kl; nibble m = hb + 2 kh + 4 kl.
+    q = q.view(tiles, 2, 8, blocks, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+    q = q.reshape(tiles, blocks, 8, 4, 4, 8)                         # r b g c u m
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
+    words = (q.to(torch.int64) << shifts.to(torch.int64)).sum(-1)    # < 2**32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = words.view(tiles, blocks, 32, 4).contiguous()            # [r, b, lane, u]
+    z = zeros.to(torch.float32).view(tiles, 2, 8, -1)                 # [r, hb, g, G]
+    s = scales.to(torch.float32).view(tiles, 2, 8, -1)
+    records = torch.stack((-(1024.0 + z[:, 0]), -(64.0 + z[:, 1]), s[:, 0], s[:, 1]), dim=-1)
+    records = records.permute(0, 2, 1, 3).to(torch.float16).contiguous()   # [r, G, g, 4]
+    return FragmentWeight(words, records, n, k, group_size)
+
+
+# --- the PTX of one warp's share ------------------------------------------------------------
+
+def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
+              evict_first: bool = False) -> str:
+    """The inline PTX of one lane: load its words and records (``chunk`` groups of
+    ``steps_per_group`` 16-column steps; group ``i`` only if ``i < nvalid``), let the next kernel
+    launch and wait for the previous one (PDL), then per group: x's B fragments (two 16-byte
+    loads per 4 steps, the next group's issued before this group's products), each word
+    dequantized into the A fragment, one mma per step and 8 tokens into the group's sums,
+    scaled into the accumulators at the group's end. Operands: outputs ``$0..$3`` (``$0..$7``
+    with ``two_mma``) the accumulators; then the words' address, the records' address, x's
+    address (and the second 8 tokens'), nvalid. ``evict_first``: the words' loads carry L2's
+    evict-first policy (measured: no difference, so plans leave it off)."""
+    outs = 8 if two_mma else 4
+    a_w, a_r, a_x = outs, outs + 1, outs + 2
+    a_x2 = outs + 3
+    a_n = outs + (4 if two_mma else 3)
+    spg = steps_per_group
+    steps = chunk * spg
+    xs = 2 if two_mma else 1
+    lines = ["{",
+             f".reg .pred p<{chunk}>;",
+             f".reg .b32 w<{steps}>;",
+             f".reg .b32 rz<{chunk}>, rs<{chunk}>;",
+             f".reg .b32 x<{steps * 2 * xs}>;",
+             ".reg .b64 xg, xh;",
+             ".reg .b32 t, a0, a1, a2, a3, olo, ohi, c16;",
+             ".reg .b16 sl, sh;",
+             ".reg .f32 d<8>, acc<8>, fl, fh, zero;",
+             "mov.b32 c16, 0x2C002C00;",
+             "mov.f32 zero, 0f00000000;"]
+    for j in range(outs):
+        lines.append(f"mov.f32 acc{j}, 0f00000000;")
+    for i in range(chunk):
+        lines.append(f"setp.gt.s32 p{i}, ${a_n}, {i};")
+    # Every load of constant data before the wait: the words (16 bytes = 4 steps a load, the
+    # next 4 steps 512 bytes on) and each group's record. Only the loads of groups past K are
+    # predicated off: their record stays zero (scale 0: they add nothing), and everything else
+    # runs on every lane (predicated mma.sync or loads make ptxas branch around them).
+    for i in range(chunk):
+        lines += [f"mov.b32 rz{i}, 0;", f"mov.b32 rs{i}, 0;"]
+    hint, policy = "", ""
+    if evict_first:
+        lines += [".reg .b64 policy;", "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"]
+        hint, policy = ".L2::cache_hint", ", policy"
+    for s0 in range(0, steps, 4):
+        lines.append(f"@p{s0 // spg} ld.global.nc.L1::no_allocate{hint}.v4.b32 "
+                     f"{{w{s0}, w{s0 + 1}, w{s0 + 2}, w{s0 + 3}}}, [${a_w}+{s0 // 4 * 512}]"
+                     f"{policy};")
+    for i in range(chunk):
+        lines.append(f"@p{i} ld.global.nc.v2.b32 {{rz{i}, rs{i}}}, [${a_r}+{i * 64}];")
+    if pdl_on:
+        lines += ["griddepcontrol.launch_dependents;", "griddepcontrol.wait;"]
+
+    def load_x(i):
+        # x of group i; a group past K reads the warp's first group again (in bounds; its
+        # record is zero).
+        out = []
+        for h, base in enumerate([f"${a_x}"] + ([f"${a_x2}"] if two_mma else [])):
+            out += [f"add.s64 xg, {base}, {i * spg * 32};",
+                    f"selp.b64 xh, xg, {base}, p{i};"]
+            for s0 in range(i * spg, (i + 1) * spg, 4):
+                off = (s0 - i * spg) * 32
+                r = (h * steps + s0) * 2
+                out += [f"ld.global.v4.b32 {{x{r}, x{r + 1}, x{r + 2}, x{r + 3}}}, [xh+{off}];",
+                        f"ld.global.v4.b32 {{x{r + 4}, x{r + 5}, x{r + 6}, x{r + 7}}}, "
+                        f"[xh+{off + 16}];"]
+        return out
+
+    lines += load_x(0)
+    for i in range(chunk):
+        if i + 1 < chunk:
+            lines += load_x(i + 1)
+        lines += [f"prmt.b32 olo, rz{i}, 0, 0x1010;",
+                  f"prmt.b32 ohi, rz{i}, 0, 0x3232;"]
+        for u in range(spg):
+            s = i * spg + u
+            first = u == 0
+            lines += [f"lop3.b32 a0, w{s}, 0x000F000F, 0x64006400, 0xEA;",
+                      f"lop3.b32 a1, w{s}, 0x00F000F0, 0x64006400, 0xEA;",
+                      f"shr.b32 t, w{s}, 8;",
+                      f"lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA;",
+                      f"lop3.b32 a3, t, 0x00F000F0, 0x64006400, 0xEA;",
+                      "add.f16x2 a0, a0, olo;",
+                      "fma.rn.f16x2 a1, a1, c16, ohi;",
+                      "add.f16x2 a2, a2, olo;",
+                      "fma.rn.f16x2 a3, a3, c16, ohi;"]
+            for h in range(xs):
+                d = f"d{4 * h}, d{4 * h + 1}, d{4 * h + 2}, d{4 * h + 3}"
+                acc_in = "zero, zero, zero, zero" if first else d
+                r = (h * steps + s) * 2
+                lines.append("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                             f"{{{d}}}, {{a0, a1, a2, a3}}, {{x{r}, x{r + 1}}}, {{{acc_in}}};")
+        # d0, d1 (and d4, d5): row g; d2, d3 (d6, d7): row g + 8.
+        lines += [f"mov.b32 {{sl, sh}}, rs{i};",
+                  "cvt.f32.f16 fl, sl;",
+                  "cvt.f32.f16 fh, sh;"]
+        for j in range(outs):
+            lines.append(f"fma.rn.f32 acc{j}, d{j}, {'fl' if j % 4 < 2 else 'fh'}, acc{j};")
+    for j in range(outs):
+        lines.append(f"mov.f32 ${j}, acc{j};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+@triton.jit
+def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid, T, K, G,
+                   HB: tl.constexpr, TOK_OFF: tl.constexpr, CHUNK: tl.constexpr,
+                   SPG: tl.constexpr):
+    """What the asm leaves in a lane's accumulators for row ``g + 8 HB`` and the tokens ``2c +
+    TOK_OFF`` and ``+ 1``, in portable Triton (Triton's CPU interpreter): the mma's sum over a
+    step's 16 columns written out from the four lanes (g, 0..3) that hold them."""
+    cq = tl.arange(0, 4)                                   # the lanes c' of row g's columns
+    khl = tl.arange(0, 4)                                  # (kh, kl) = (j // 2, j % 2)
+    shift = 4 * (HB + 2 * (khl // 2) + 4 * (khl % 2))
+    tok_a = tl.minimum(2 * c + TOK_OFF, T - 1)
+    tok_b = tl.minimum(2 * c + TOK_OFF + 1, T - 1)
+    sum_a = tl.zeros(g.shape, dtype=tl.float32)
+    sum_b = tl.zeros(g.shape, dtype=tl.float32)
+    for gi in range(CHUNK):
+        ok = gi < nvalid
+        rec = records_ptr + ((tile_c.to(tl.int64) * G + kc * CHUNK + gi) * 8 + g) * 4
+        offset = tl.load(rec + HB, mask=ok, other=0.0).to(tl.float32) + (64.0 if HB else 1024.0)
+        scale = tl.load(rec + 2 + HB, mask=ok, other=0.0).to(tl.float32)
+        dot_a = tl.zeros(g.shape, dtype=tl.float32)
+        dot_b = tl.zeros(g.shape, dtype=tl.float32)
+        for u in range(SPG):
+            s = step0 + gi * SPG + u                       # the 16-column step
+            blk = s // 4
+            word = tl.load(words_ptr + (((tile_c.to(tl.int64) * (K // 64) + blk) * 32
+                                         + 4 * g) * 4 + s % 4)[:, None] + (cq * 4)[None, :],
+                           mask=ok[:, None], other=0)      # [THREADS, c']
+            q = (word[:, :, None] >> shift[None, None, :]) & 0xF
+            w = q.to(tl.float32) + offset[:, None, None]                 # q - z
+            col = ((blk * 64 + 4 * (s % 4))[:, None, None] + 16 * cq[None, :, None]
+                   + 2 * (khl // 2)[None, None, :] + (khl % 2)[None, None, :])
+            xa = tl.load(x_ptr + tok_a[:, None, None].to(tl.int64) * K + col,
+                         mask=ok[:, None, None], other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + tok_b[:, None, None].to(tl.int64) * K + col,
+                         mask=ok[:, None, None], other=0.0).to(tl.float32)
+            dot_a += tl.sum(tl.sum(w * xa, axis=2), axis=1)
+            dot_b += tl.sum(tl.sum(w * xb, axis=2), axis=1)
+        sum_a += dot_a * scale
+        sum_b += dot_b * scale
+    return sum_a, sum_b
+
+
+@triton.jit(do_not_specialize=["T"])
+def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
+                   TILES: tl.constexpr, WARPS_K: tl.constexpr, CHUNK: tl.constexpr,
+                   SPG: tl.constexpr, TWO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ASM: tl.constexpr, ASM_TEXT: tl.constexpr, PDL: tl.constexpr):
+    """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
+    tensor here has one element a thread: ``i = 32 * warp + lane``."""
+    THREADS: tl.constexpr = TILES * WARPS_K * 32
+    i = tl.arange(0, THREADS)
+    lane = i % 32
+    warp = i // 32
+    tile = tl.program_id(0) * TILES + warp // WARPS_K
+    kc = warp % WARPS_K
+    g = lane // 4
+    c = lane % 4
+    tiles = N // 16
+    tile_ok = tile < tiles
+    tile_c = tl.where(tile_ok, tile, 0)
+    step0 = kc * (CHUNK * SPG)                           # the warp's first 16-column step
+    nvalid = tl.where(tile_ok, tl.minimum(tl.maximum(G - kc * CHUNK, 0), CHUNK), 0)
+    if ASM:
+        # words [tiles, K/64, 32, 4] int32: this lane's 16 bytes of steps step0 .. step0 + 3
+        wbase = words_ptr + ((tile_c.to(tl.int64) * (K // 64) + step0 // 4) * 32 + lane) * 4
+        rbase = records_ptr + ((tile_c.to(tl.int64) * G + kc * CHUNK) * 8 + g) * 4
+        # x as fp16 [T, K]: lane (g, c) reads token g's columns 16 c .. 16 c + 15 of each 64
+        # (the B fragments of 4 steps); tokens past T read the last token (their sums are not
+        # stored); a warp with nothing to do reads from x's start.
+        tok = tl.minimum(g, T - 1)
+        col0 = tl.where(nvalid > 0, step0 * 16 + 16 * c, 0)
+        # The asm takes addresses as 64-bit integers (Triton broadcasts its operands together).
+        wbase = wbase.to(tl.int64)
+        rbase = rbase.to(tl.int64)
+        xbase = (x_ptr + tok.to(tl.int64) * K + col0).to(tl.int64)
+        if TWO:
+            tok2 = tl.minimum(g + 8, T - 1)
+            xbase2 = (x_ptr + tok2.to(tl.int64) * K + col0).to(tl.int64)
+            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                ASM_TEXT, "=f,=f,=f,=f,=f,=f,=f,=f,l,l,l,l,r",
+                [wbase, rbase, xbase, xbase2, nvalid], dtype=(tl.float32,) * 8, is_pure=False,
+                pack=1)
+        else:
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                ASM_TEXT, "=f,=f,=f,=f,l,l,l,r", [wbase, rbase, xbase, nvalid],
+                dtype=(tl.float32,) * 4, is_pure=False, pack=1)
+    else:
+        pdl.begin(PDL)
+        a0, a1 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
+                                T, K, G, 0, 0, CHUNK, SPG)
+        a2, a3 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
+                                T, K, G, 1, 0, CHUNK, SPG)
+        if TWO:
+            a4, a5 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
+                                    nvalid, T, K, G, 0, 8, CHUNK, SPG)
+            a6, a7 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
+                                    nvalid, T, K, G, 1, 8, CHUNK, SPG)
+    # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator j holds row
+    # g + 8 (j >= 2) and token 2c + (j & 1) (+ 8 for the second mma's).
+    lane_t = tl.arange(0, 32)
+    row_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None] * 16 + (lane_t // 4)[None, :]
+    tok_t = 2 * (lane_t % 4)[None, :]
+    _store_acc(a0, row_t, tok_t, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+    _store_acc(a1, row_t, tok_t + 1, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+    _store_acc(a2, row_t + 8, tok_t, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+    _store_acc(a3, row_t + 8, tok_t + 1, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+    if TWO:
+        _store_acc(a4, row_t, tok_t + 8, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+        _store_acc(a5, row_t, tok_t + 9, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+        _store_acc(a6, row_t + 8, tok_t + 8, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+        _store_acc(a7, row_t + 8, tok_t + 9, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+
+
+@triton.jit
+def _store_acc(acc, row, tok, T, N, bias_ptr, y_ptr, TILES: tl.constexpr, WARPS_K: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    total = tl.sum(tl.reshape(acc, (TILES, WARPS_K, 32)), axis=1)       # [TILES, 32]
+    ok = (row < N) & (tok < T)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + row, mask=row < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + tok.to(tl.int64) * N + row, total.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    """How `_int4_fragment` is launched: ``tiles`` 16-row tiles a program, ``warps_k`` warps
+    sharing each tile's columns (the program's warps: tiles * warps_k); ``evict_first``: the
+    words are loaded with L2's evict-first policy (read once a step)."""
+    tiles: int = 1
+    warps_k: int = 4
+    evict_first: bool = False
+
+
+# Where the fragment kernel measured faster than the plugin-layout kernels (docs/gpu-kernels.md):
+# up to 8 tokens (one mma a step) on every shape; 9..16 (two) only on layers of at most
+# 4096 x 4096, where its 4 x 8 KB of weight a lane leave room for the second B fragment.
+ONE_MMA_TOKENS = 8
+TWO_MMA_MAX_WEIGHTS = 4096 * 4096
+
+
+def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan | None:
+    """The plan for a call of ``tokens`` on ``[n, k]``, or None where the plugin-layout kernels
+    are faster or the fragment kernel does not apply. ``warps_k``: the fewest warps a tile (4, 8
+    or 16) that keep a lane's share of the weight at most 96 steps (384 bytes; 48 with the second
+    mma's B fragments): measured best at K = 4096 (4 warps) and K = 11008 (8)."""
+    if fragment_supports(n, k, group_size) or not 1 <= tokens <= MAX_TOKENS:
+        return None
+    two = tokens > ONE_MMA_TOKENS
+    if two and n * k > TWO_MMA_MAX_WEIGHTS:
+        return None
+    steps, groups = k // STEP_COLS, k // group_size
+    warps_k = 4
+    while warps_k < 16 and -(-groups // warps_k) * (steps // groups) > (48 if two else 96):
+        warps_k *= 2
+    return FragmentPlan(tiles=1, warps_k=warps_k)
+
+
+def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
+    """Device bytes the fragment layout adds to an INT4 artifact whose quantized Linears hold
+    ``quantized_linear_bytes`` (packed weights, fp16 scales and zeros: ``N K (1/2 + 3/g)``):
+    words ``N K / 2`` and records ``4 N K / g``, when every Linear takes the layout."""
+    g = group_size
+    return int(quantized_linear_bytes * (0.5 + 4 / g) / (0.5 + 3 / g)) + 1
+
+
+@functools.lru_cache(maxsize=None)
+def _asm_text(chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool) -> str:
+    return _warp_asm(chunk, spg, two, pdl_on, evict_first)
+
+
+def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None,
+                       *, plan: FragmentPlan | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T, N] = x @ dequantize(W).T + bias`` for fp16 ``x [T, K]``, 1 <= T <= 16 (CUDA;
+    Triton's CPU interpreter runs the portable version). ``plan`` overrides `fragment_plan`
+    (which must not be None for this call)."""
+    n, k = weight.out_features, weight.in_features
+    x2 = x.reshape(-1, k).contiguous()
+    tokens = x2.shape[0]
+    if x2.dtype != torch.float16 or not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"Int4Gemm fragment kernel: fp16 x of 1..{MAX_TOKENS} tokens, got "
+                         f"{x2.dtype} x {tokens}")
+    plan = plan or fragment_plan(tokens, n, k, weight.group_size)
+    if plan is None:
+        raise ValueError(f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
+                         f"(fragment_plan); call the plugin-layout kernels")
+    y = out if out is not None else torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    spg = weight.group_size // STEP_COLS
+    groups = weight.groups
+    chunk = -(-groups // plan.warps_k)
+    two = tokens > ONE_MMA_TOKENS
+    asm = not _interpreting()
+    launch = pdl.launch_options(x.device)
+    text = _asm_text(chunk, spg, two, launch["PDL"], plan.evict_first) if asm else ""
+    bias_arg = bias.contiguous() if bias is not None else y
+    _int4_fragment[(-(-(n // TILE_ROWS) // plan.tiles),)](
+        x2, weight.words, weight.records, bias_arg, y, tokens, n, k, groups,
+        TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two,
+        HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, num_warps=plan.tiles * plan.warps_k,
+        **launch)
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,156 @@
+"""The Int4Gemm fragment kernel (`plugins/int4_gemm/fragment_kernel.py`) against the reference:
+its weight layout on the CPU, the kernel in Triton's CPU interpreter at small sizes (the portable
+version of the same addressing and sums), and on a GPU (marker `gpu`) the inline-PTX mma
+kernel at the Llama-7B projection sizes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtc.plugins.int4_gemm.reference import dequantize, pack_int4, unpack_int4
+
+fragment_kernel = pytest.importorskip("trtc.plugins.int4_gemm.fragment_kernel",
+                                      reason="triton is not installed")
+from test_int4_gemm_triton import DEVICE, make_layer  # noqa: E402
+
+
+def decode_words(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The 4-bit values ``[N, K]`` of a fragment layout, by the module docstring's rule
+    (row = 16 r + g + 8 (m & 1), col = 64 b + 16 c + 4 u + 2 ((m >> 1) & 1) + (m >> 2))."""
+    w = words.to(torch.int64) & 0xFFFFFFFF                      # [r, b, lane, u]
+    out = torch.empty(n, k, dtype=torch.int64)
+    r, b, lane, u, m = torch.meshgrid(*(torch.arange(s) for s in (*w.shape, 8)), indexing="ij")
+    g, c = lane // 4, lane % 4
+    rows = 16 * r + g + 8 * (m & 1)
+    cols = 64 * b + 16 * c + 4 * u + 2 * ((m >> 1) & 1) + (m >> 2)
+    out[rows.reshape(-1), cols.reshape(-1)] = ((w[..., None] >> (4 * m)) & 0xF).reshape(-1)
+    return out
+
+
+def test_fragment_layout_holds_every_weight_once():
+    n, k, group = 48, 384, 128
+    qweight, scales, zeros, _ = make_layer(n, k, group, torch.float16, False, seed=3, device="cpu")
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+    assert fw.words.shape == (n // 16, k // 64, 32, 4) and fw.words.dtype == torch.int32
+    assert torch.equal(decode_words(fw.words, n, k), unpack_int4(qweight).to(torch.int64))
+    # records [tiles, groups, g, 4]: -(1024 + z) of row g, -(64 + z) of row g + 8, both scales
+    rec = fw.records.float()
+    z, s = zeros.float().view(n // 16, 2, 8, -1), scales.float().view(n // 16, 2, 8, -1)
+    assert torch.equal(rec[..., 0], -(1024 + z[:, 0]).transpose(1, 2))
+    assert torch.equal(rec[..., 1], -(64 + z[:, 1]).transpose(1, 2))
+    assert torch.equal(rec[..., 2], s[:, 0].transpose(1, 2).half().float())
+    assert torch.equal(rec[..., 3], s[:, 1].transpose(1, 2).half().float())
+    assert fw.nbytes == qweight.numel() + n * (k // group) * 4
+
+
+@pytest.mark.parametrize("n, k, group, why", [
+    (40, 256, 128, "out_features 40"), (32, 320, 128, "in_features 320"),
+    (32, 256, 32, "group size 32")])
+def test_fragment_layout_refuses_what_the_kernel_cannot_take(n, k, group, why):
+    qweight, scales, zeros, _ = make_layer(n, k, group, torch.float16, False, seed=0, device="cpu")
+    assert why in fragment_kernel.fragment_supports(n, k, group)
+    with pytest.raises(ValueError, match=why):
+        fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+    assert fragment_kernel.fragment_plan(1, n, k, group) is None
+
+
+def test_fragment_plan_follows_the_measurements():
+    plan = fragment_kernel.fragment_plan
+    assert plan(1, 4096, 4096, 128).warps_k == 4
+    assert plan(8, 11008, 4096, 128).warps_k == 4
+    assert plan(1, 4096, 11008, 128).warps_k == 8
+    assert plan(16, 4096, 4096, 128).warps_k == 8          # two mma's: a lane's share halved
+    assert plan(16, 11008, 4096, 128) is None               # the split kernel is faster there
+    assert plan(17, 64, 256, 128) is None
+
+
+def run(tokens, n, k, group, bias, plan=None, seed=0):
+    qweight, scales, zeros, b = make_layer(n, k, group, torch.float16, bias, seed)
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE).half()
+    out = torch.full((tokens, n), float("nan"), dtype=torch.float16, device=DEVICE)
+    got = fragment_kernel.int4_gemm_fragment(x, fw, b, plan=plan, out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
+    w = dequantize(qweight, scales, zeros, group).double()
+    exact = x.double() @ w.T + (b.double() if bias else 0)
+    return float((got.double() - exact).norm() / exact.norm())
+
+
+# Small enough for the interpreter: a warp with no groups (2 groups, 4 warps), a tile past N
+# (3 tiles, 2 a program), odd token counts, the second mma's tokens, group 64 and 256.
+@pytest.mark.parametrize("tokens, n, k, group, bias, plan", [
+    (1, 32, 256, 128, False, None),
+    (3, 48, 256, 128, True, fragment_kernel.FragmentPlan(tiles=2, warps_k=4)),
+    (5, 16, 512, 64, False, fragment_kernel.FragmentPlan(tiles=1, warps_k=2)),
+    (11, 32, 512, 256, True, None),
+])
+def test_fragment_kernel_matches_reference(tokens, n, k, group, bias, plan):
+    assert run(tokens, n, k, group, bias, plan) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008), (2560, 2048)])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 16])
+def test_fragment_kernel_on_gpu(n, k, tokens):
+    if fragment_kernel.fragment_plan(tokens, n, k, 128) is None:
+        plan = fragment_kernel.FragmentPlan(tiles=1, warps_k=8)     # still correct where slower
+    else:
+        plan = None
+    assert run(tokens, n, k, 128, bias=tokens % 2 == 1, plan=plan) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [fragment_kernel.FragmentPlan(2, 4),
+                                  fragment_kernel.FragmentPlan(1, 16),
+                                  fragment_kernel.FragmentPlan(1, 4, evict_first=True)])
+def test_fragment_kernel_plans_on_gpu(plan):
+    assert run(4, 4096, 4096, 128, bias=True, plan=plan) < 1e-3
+    assert run(1, 112, 1408, 64, bias=False, plan=plan) < 1e-3
+
+
+LAYOUT_PROBE = r'''
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from trtc.plugins.int4_gemm import fragment_kernel as fk
+for tokens, n, k in [(1, 4096, 4096), (16, 4096, 4096), (2, 4096, 11008)]:
+    plan = fk.fragment_plan(tokens, n, k, 128)
+    warps = plan.tiles * plan.warps_k
+    chunk = -(-(k // 128) // plan.warps_k)
+    consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
+                  HAS_BIAS=False, ASM=True, ASM_TEXT=fk._asm_text(chunk, 8, tokens > 8, True, False),
+                  PDL=True)
+    sig = {"x_ptr": "*fp16", "words_ptr": "*i32", "records_ptr": "*fp16", "bias_ptr": "*fp16",
+           "y_ptr": "*fp16", "T": "i32", "N": "i32", "K": "i32", "G": "i32",
+           **{name: "constexpr" for name in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
+    src = triton.compiler.ASTSource(fn=fk._int4_fragment, signature=sig, constexprs=consts,
+                                    attrs=attrs)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps}).asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, re.M))
+    for line in ttgir.splitlines():
+        if "tt.elementwise_inline_asm" in line:
+            layout = re.search(r"-> tensor<\d+xf32, (#\w+)>", line).group(1)
+            print(tokens, n, k, warps, aliases[layout])
+'''
+
+
+def test_fragment_asm_sees_one_element_per_thread_in_order():
+    """The kernel's one assumption about Triton (module docstring): the inline asm's operands
+    have element i in lane i % 32 of warp i // 32. Compiled for sm_90 on this machine (Triton
+    ships ptxas: the PTX must also assemble), outside the interpreter."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", LAYOUT_PROBE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        warps = line.split()[3]
+        assert line.endswith(f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], "
+                             f"warpsPerCTA = [{warps}], order = [0]}}>"), line
