@@ -41,8 +41,8 @@ class CudaExecutor(TorchExecutor):
                  memory_fraction: float = 0.9, max_graph_batch: int | None = None, use_cuda_graphs: bool = True,
                  fuse_kernels: bool = True, int4_fragments: bool | None = None):
         self.fuse_kernels = fuse_kernels
-        # The fragment layout of the INT4 Linears (runtime/fusion.py): faster decode steps of
-        # 2..8 tokens for about as much memory again as those Linears; TRTC_INT4_FRAGMENTS=0
+        # The fragment layout of the INT4 Linears (runtime/fusion.py): faster steps of 1..8
+        # tokens (most at 2..8) for about as much memory again as those Linears; TRTC_INT4_FRAGMENTS=0
         # (or int4_fragments=False) keeps the weights as stored only.
         if int4_fragments is None:
             int4_fragments = os.environ.get("TRTC_INT4_FRAGMENTS", "1") != "0"
@@ -52,7 +52,9 @@ class CudaExecutor(TorchExecutor):
         if num_blocks is None:
             weight_bytes = manifest["graph"]["weight_bytes"]["total"]
             quant = manifest.get("quantization", {})
-            if self.int4_fragments and quant.get("bits") == 4:
+            if (self.int4_fragments and quant.get("bits") == 4 and manifest.get("precision") == "fp16"
+                    and quant.get("group_size") in (64, 128, 256)):
+                # An upper bound: every quantized Linear in the layout (runtime/fusion.py).
                 from trtc.plugins.int4_gemm.fragment_kernel import fragment_extra_bytes
                 weight_bytes += fragment_extra_bytes(quant["linear_weight_bytes_quantized"],
                                                      quant["group_size"])

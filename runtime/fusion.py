@@ -24,8 +24,8 @@ One rewrite changes how a node's weights are held rather than which nodes run:
 
 * ``Int4Gemm`` with fp16 constant weights becomes ``Int4GemmFragment``: the executor adds the
   weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`) to its
-  constants, and decode steps of up to 8 tokens (16 on layers of at most 4096 x 4096) run that
-  kernel; other calls (prefill, larger batches) the plugin's kernels on the weights as stored,
+  constants, and calls of up to 8 tokens (16 on layers of at most 4096 x 4096: decode steps,
+  short prefills) run that kernel; other calls the plugin's kernels on the weights as stored,
   which stay (the layout costs about as much memory again as the INT4 Linears,
   `fragment_extra_bytes`).
 """
@@ -89,9 +89,10 @@ def _int4_gemm_fragment(x, attrs):
     n, k, group = attrs["out_features"], attrs["in_features"], attrs["group_size"]
     from trtc.plugins.int4_gemm import fragment_kernel as fk
     # On the CPU only in Triton's interpreter (the tests): the plugin's reference otherwise.
+    # x must be 16-byte aligned for the kernel's loads (a step's activations are).
     on_device = a.is_cuda or fk._interpreting()
     plan = (fk.fragment_plan(a.numel() // k, n, k, group)
-            if on_device and a.dtype == torch.float16 else None)
+            if on_device and a.dtype == torch.float16 and a.data_ptr() % 16 == 0 else None)
     if plan is None:
         return _int4_gemm([a, qweight, scales, zeros, bias], attrs)
     return [fk.int4_gemm_fragment(a, fk.FragmentWeight(words, records, n, k, group), bias,
@@ -215,25 +216,29 @@ def _fuse_gemm_swiglu(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
 
 
 def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants: dict) -> int:
-    """Int4Gemm nodes whose fp16 weights the fragment kernel takes: their weights in its layout
-    added to ``constants`` (once per weight), the node rewritten to read both."""
+    """Int4Gemm nodes whose fp16 weights the fragment kernel takes, on a GPU that has its mma:
+    their weights in its layout added to ``constants`` (once per weight), the node rewritten to
+    read both."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
     count = 0
+    packed: dict[tuple, tuple[str, str]] = {}
     for i, n in enumerate(g.nodes):
         if n.op != ("trtc", "Int4Gemm") or i in replaced:
             continue
         qweight, scales, zeros = (constants.get(name) for name in n.inputs[1:4])
         a = n.attrs
         if (qweight is None or scales is None or zeros is None or scales.dtype != torch.float16
+                or not fk.device_supports(qweight.device)
                 or fk.fragment_supports(a["out_features"], a["in_features"], a["group_size"])):
             continue
-        words, records = (f"{n.inputs[1]}.fragment_{part}" for part in ("words", "records"))
-        if words not in constants:
+        key = (*n.inputs[1:4], a["group_size"])
+        if key not in packed:
+            names = tuple(f"{n.inputs[1]}.fragment{len(packed)}_{part}" for part in ("words", "records"))
             fw = fk.fragment_pack(qweight, scales, zeros, a["group_size"])
-            constants[words], constants[records] = fw.words, fw.records
+            constants[names[0]], constants[names[1]] = fw.words, fw.records
+            packed[key] = names
         bias = n.inputs[4] if len(n.inputs) > 4 else ""
-        replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [*n.inputs[:4], bias, words, records],
-                                n.outputs, a)
+        replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [*n.inputs[:4], bias, *packed[key]], n.outputs, a)
         count += 1
     return count
 

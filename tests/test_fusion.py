@@ -60,7 +60,7 @@ def tiny_int4_fp16(tmp_path_factory):
 def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
     plain, fused = TorchExecutor(tiny_int4_fp16, 16, DEVICE), FusedExecutor(tiny_int4_fp16, 16, DEVICE)
     assert fused.fusions["int4_fragment"] == 6
-    added = {n for n in fused.constants if ".fragment_" in n}
+    added = {n for n in fused.constants if ".fragment" in n}
     assert len(added) == 12 and not added & set(plain.constants)
     ops = [n[0] for n in fused.nodes]
     from trtc.runtime.fusion import _int4_gemm_fragment

@@ -118,9 +118,9 @@ for tokens, n, k in [(1, 4096, 4096), (16, 4096, 4096), (2, 4096, 11008)]:
     plan = fk.fragment_plan(tokens, n, k, 128)
     warps = plan.tiles * plan.warps_k
     chunk = -(-(k // 128) // plan.warps_k)
+    text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False)
     consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
-                  HAS_BIAS=False, ASM=True, ASM_TEXT=fk._asm_text(chunk, 8, tokens > 8, True, False),
-                  PDL=True)
+                  HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints, PDL=True)
     sig = {"x_ptr": "*fp16", "words_ptr": "*i32", "records_ptr": "*fp16", "bias_ptr": "*fp16",
            "y_ptr": "*fp16", "T": "i32", "N": "i32", "K": "i32", "G": "i32",
            **{name: "constexpr" for name in consts}}
@@ -154,3 +154,80 @@ def test_fragment_asm_sees_one_element_per_thread_in_order():
         warps = line.split()[3]
         assert line.endswith(f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], "
                              f"warpsPerCTA = [{warps}], order = [0]}}>"), line
+
+
+def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0):
+    """The kernel's asm for every warp of every program, in `ptx_emulator` (numpy), with the
+    operands `_int4_fragment` gives it, the warps' sums added as `_store_acc` adds them;
+    returns the relative error against the fp64 product."""
+    import numpy as np
+    from ptx_emulator import LANES, WarpEmulator
+    qweight, scales, zeros, _ = make_layer(n, k, group, torch.float16, False, seed, device="cpu")
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).half()
+    parts = [t.contiguous().view(torch.uint8).numpy().reshape(-1) for t in (fw.words, fw.records, x)]
+    bases = [0, parts[0].size, parts[0].size + parts[1].size]     # all multiples of 16
+    memory = np.concatenate(parts)
+    spg, groups = group // 16, k // group
+    chunk = -(-groups // warps_k)
+    two = tokens > fragment_kernel.ONE_MMA_TOKENS
+    asm, constraints = fragment_kernel._asm_text(chunk, spg, two, True, evict_first)
+    lane = np.arange(LANES)
+    g, c = lane // 4, lane % 4
+    y = np.zeros((tokens, n))
+    for tile in range(n // 16):
+        total = 0
+        for kc in range(warps_k):
+            step0 = kc * chunk * spg
+            nvalid = np.full(LANES, min(max(groups - kc * chunk, 0), chunk))
+            col0 = np.where(nvalid > 0, step0 * 16 + 16 * c, 0)
+            operands = [bases[0] + (((tile * (k // 64) + step0 // 4) * 32 + lane) * 4) * 4,
+                        bases[1] + (((tile * groups + kc * chunk) * 8 + g) * 4) * 2,
+                        bases[2] + (np.minimum(g, tokens - 1) * k + col0) * 2]
+            if two:
+                operands.append(bases[2] + (np.minimum(g + 8, tokens - 1) * k + col0) * 2)
+            out = WarpEmulator(memory).run(asm, constraints, operands + [nvalid])
+            total = total + np.stack(out)                                  # [accumulators, lanes]
+        for m, acc in enumerate(total):
+            rows = tile * 16 + g + 8 * (m % 4 >= 2)
+            toks = 2 * c + (m & 1) + 8 * (m >= 4)
+            keep = toks < tokens
+            y[toks[keep], rows[keep]] = acc[keep]
+    exact = x.double() @ dequantize(qweight, scales, zeros, group).double().T
+    return float((torch.from_numpy(y) - exact).norm() / exact.norm())
+
+
+# The asm itself, without a GPU: group 64 (4 steps a group, 2 groups a warp), the second mma's
+# tokens, warps with no groups, evict-first loads.
+@pytest.mark.parametrize("tokens, n, k, group, warps_k, evict_first", [
+    (3, 32, 256, 64, 2, False), (11, 16, 512, 128, 4, False), (1, 16, 256, 128, 4, True)])
+def test_fragment_asm_in_an_emulated_warp(tokens, n, k, group, warps_k, evict_first):
+    assert emulate(tokens, n, k, group, warps_k, evict_first) < 1e-3
+
+
+def test_fragment_kernel_refuses_misaligned_x():
+    qweight, scales, zeros, _ = make_layer(16, 256, 128, torch.float16, False, 0, device="cpu")
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
+    x = torch.randn(2 * 256 + 1).half()[1:].view(2, 256)             # 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fragment_kernel.int4_gemm_fragment(x, fw)
+
+
+def test_fragment_rewrite_takes_fp16_weights_once_each():
+    """runtime/fusion.py's rewrite: fp16 weights only (bf16 stay on the plugin's kernels), a
+    weight read by two nodes is packed once, a node with another weight gets its own."""
+    from trtc.runtime.fusion import INT4_GEMM_FRAGMENT, fuse
+    from trtc.runtime.torch_ops import GraphNode
+    constants = {}
+    for name, dtype in (("a", torch.float16), ("b", torch.bfloat16), ("c", torch.float16)):
+        qweight, scales, zeros, _ = make_layer(32, 256, 128, dtype, False, 0, device="cpu")
+        constants.update({f"{name}.q": qweight, f"{name}.s": scales, f"{name}.z": zeros})
+    attrs = {"group_size": 128, "in_features": 256, "out_features": 32}
+    nodes = [GraphNode(("trtc", "Int4Gemm"), ["x", f"{w}.q", f"{w}.s", f"{w}.z"], [f"y{i}"], attrs)
+             for i, w in enumerate("aabc")]
+    fused, counts = fuse(nodes, constants, {"y0", "y1", "y2", "y3"})
+    assert counts["int4_fragment"] == 3
+    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [True, True, False, True]
+    assert fused[0].inputs[5:] == fused[1].inputs[5:] != fused[3].inputs[5:]
+    assert fused[0].inputs[4] == ""                                   # no bias
+    assert sum(".fragment" in name for name in constants) == 4

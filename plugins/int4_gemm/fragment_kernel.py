@@ -43,7 +43,8 @@ Only the elementwise inline asm puts tensors in registers here, so the kernel de
 ``[32 * num_warps]`` tensor having element ``i`` in lane ``i % 32`` of warp ``i // 32`` (Triton's
 default layout for such a tensor; a test compiles the kernel for sm_90 and checks it) and on the asm
 being executed by the whole warp at once (mma.sync is warp-wide). Triton's CPU interpreter runs
-a portable version of the same loads and arithmetic (``ASM=False``).
+a portable version of the same loads and arithmetic (``ASM=False``); the tests also run the PTX
+itself in a numpy emulator of one warp (tests/ptx_emulator.py).
 """
 from __future__ import annotations
 
@@ -82,6 +83,14 @@ class FragmentWeight:
         return self.words.numel() * 4 + self.records.numel() * 2
 
 
+def device_supports(device: torch.device) -> bool:
+    """mma.sync.m16n8k16 on fp16 and the cache-policy loads: sm_80 and later (and Triton's CPU
+    interpreter, which runs the portable version)."""
+    if device.type != "cuda":
+        return _interpreting()
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def fragment_supports(out_features: int, in_features: int, group_size: int) -> str | None:
     """None if the fragment kernel takes this layer, else why not."""
     if out_features % TILE_ROWS:
@@ -101,15 +110,20 @@ def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     why = fragment_supports(n, k, group_size)
     if why:
         raise ValueError(f"Int4Gemm fragment layout: {why}")
-    q = unpack_int4(qweight).to(torch.int32)                          # [N, K]
     tiles, blocks = n // TILE_ROWS, k // 64
-    # row = 16 r + 8 hb + g, col = 64 b + 16 c + 4 u + 2 kh + kl; nibble m = hb + 2 kh + 4 kl.
-    q = q.view(tiles, 2, 8, blocks, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
-    q = q.reshape(tiles, blocks, 8, 4, 4, 8)                         # r b g c u m
-    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
-    words = (q.to(torch.int64) << shifts.to(torch.int64)).sum(-1)    # < 2**32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    words = words.view(tiles, blocks, 32, 4).contiguous()            # [r, b, lane, u]
+    words = torch.empty((tiles, blocks, 32, 4), dtype=torch.int32, device=qweight.device)
+    # 2**24 weights at a time: the unpacked nibbles of a whole layer would take 8x its bytes.
+    chunk = max(1, (1 << 24) // (TILE_ROWS * k))
+    for r0 in range(0, tiles, chunk):
+        r1 = min(tiles, r0 + chunk)
+        q = unpack_int4(qweight[r0 * TILE_ROWS:r1 * TILE_ROWS]).to(torch.int32)   # [rows, K]
+        # row = 16 r + 8 hb + g, col = 64 b + 16 c + 4 u + 2 kh + kl; nibble m = hb + 2 kh + 4 kl
+        q = q.view(r1 - r0, 2, 8, blocks, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+        q = q.reshape(r1 - r0, blocks, 8, 4, 4, 8)                   # r b g c u m
+        word = q[..., 0]
+        for m in range(1, 8):                   # disjoint bits: int32 wraps into the sign bit
+            word = word | (q[..., m] << (4 * m))
+        words[r0:r1] = word.view(r1 - r0, blocks, 32, 4)             # [r, b, lane, u]
     z = zeros.to(torch.float32).view(tiles, 2, 8, -1)                 # [r, hb, g, G]
     s = scales.to(torch.float32).view(tiles, 2, 8, -1)
     records = torch.stack((-(1024.0 + z[:, 0]), -(64.0 + z[:, 1]), s[:, 0], s[:, 1]), dim=-1)
@@ -268,7 +282,8 @@ def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvali
 def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
                    TILES: tl.constexpr, WARPS_K: tl.constexpr, CHUNK: tl.constexpr,
                    SPG: tl.constexpr, TWO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   ASM: tl.constexpr, ASM_TEXT: tl.constexpr, PDL: tl.constexpr):
+                   ASM: tl.constexpr, ASM_TEXT: tl.constexpr, CONSTRAINTS: tl.constexpr,
+                   PDL: tl.constexpr):
     """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
     tensor here has one element a thread: ``i = 32 * warp + lane``."""
     THREADS: tl.constexpr = TILES * WARPS_K * 32
@@ -301,12 +316,12 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
             tok2 = tl.minimum(g + 8, T - 1)
             xbase2 = (x_ptr + tok2.to(tl.int64) * K + col0).to(tl.int64)
             a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM_TEXT, "=f,=f,=f,=f,=f,=f,=f,=f,l,l,l,l,r",
+                ASM_TEXT, CONSTRAINTS,
                 [wbase, rbase, xbase, xbase2, nvalid], dtype=(tl.float32,) * 8, is_pure=False,
                 pack=1)
         else:
             a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                ASM_TEXT, "=f,=f,=f,=f,l,l,l,r", [wbase, rbase, xbase, nvalid],
+                ASM_TEXT, CONSTRAINTS, [wbase, rbase, xbase, nvalid],
                 dtype=(tl.float32,) * 4, is_pure=False, pack=1)
     else:
         pdl.begin(PDL)
@@ -355,16 +370,18 @@ class FragmentPlan:
     evict_first: bool = False
 
 
-# Where the fragment kernel measured faster than the plugin-layout kernels (docs/gpu-kernels.md):
-# up to 8 tokens (one mma a step) on every shape; 9..16 (two) only on layers of at most
-# 4096 x 4096, where its 4 x 8 KB of weight a lane leave room for the second B fragment.
+# Where the fragment kernel is used (docs/gpu-kernels.md): up to 8 tokens (one mma a step) on
+# every shape: 1.3-1.85x the plugin-layout kernels at 2..8 tokens, 3-5% faster at one on the
+# Llama-7B shapes (on the 1.1B model's smaller layers 6% more kernel time at one token, the
+# same step time); 9..16 (two mma's) only on layers of at most 4096 x 4096, where a lane's
+# weight leaves room for the second B fragment (1.24x there, 0.84-0.89x on the larger ones).
 ONE_MMA_TOKENS = 8
 TWO_MMA_MAX_WEIGHTS = 4096 * 4096
 
 
 def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan | None:
-    """The plan for a call of ``tokens`` on ``[n, k]``, or None where the plugin-layout kernels
-    are faster or the fragment kernel does not apply. ``warps_k``: the fewest warps a tile (4, 8
+    """The plan for a call of ``tokens`` on ``[n, k]``, or None where the fragment kernel is not
+    used (see above) or does not apply. ``warps_k``: the fewest warps a tile (4, 8
     or 16) that keep a lane's share of the weight at most 96 steps (384 bytes; 48 with the second
     mma's B fragments): measured best at K = 4096 (4 warps) and K = 11008 (8)."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= MAX_TOKENS:
@@ -388,8 +405,12 @@ def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _asm_text(chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool) -> str:
-    return _warp_asm(chunk, spg, two, pdl_on, evict_first)
+def _asm_text(chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool) -> tuple[str, str]:
+    """The asm and its constraints: the accumulators, then the operands `_int4_fragment`
+    passes (addresses as 64-bit integers, nvalid as 32)."""
+    ins = ["l", "l", "l"] + (["l"] if two else []) + ["r"]
+    return (_warp_asm(chunk, spg, two, pdl_on, evict_first),
+            ",".join(["=f"] * (8 if two else 4) + ins))
 
 
 def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None,
@@ -404,6 +425,9 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
     if x2.dtype != torch.float16 or not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"Int4Gemm fragment kernel: fp16 x of 1..{MAX_TOKENS} tokens, got "
                          f"{x2.dtype} x {tokens}")
+    if x2.data_ptr() % 16:
+        raise ValueError("Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
+                         "are 16-byte loads); pass a fresh or .clone()d tensor")
     plan = plan or fragment_plan(tokens, n, k, weight.group_size)
     if plan is None:
         raise ValueError(f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
@@ -415,11 +439,13 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
     two = tokens > ONE_MMA_TOKENS
     asm = not _interpreting()
     launch = pdl.launch_options(x.device)
-    text = _asm_text(chunk, spg, two, launch["PDL"], plan.evict_first) if asm else ""
+    text, constraints = (_asm_text(chunk, spg, two, launch["PDL"], plan.evict_first)
+                         if asm else ("", ""))
     bias_arg = bias.contiguous() if bias is not None else y
     _int4_fragment[(-(-(n // TILE_ROWS) // plan.tiles),)](
         x2, weight.words, weight.records, bias_arg, y, tokens, n, k, groups,
         TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two,
-        HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, num_warps=plan.tiles * plan.warps_k,
+        HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, CONSTRAINTS=constraints,
+        num_warps=plan.tiles * plan.warps_k,
         **launch)
     return y.view(*x.shape[:-1], n)
