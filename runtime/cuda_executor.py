@@ -52,7 +52,7 @@ class CudaExecutor(TorchExecutor):
         if num_blocks is None:
             weight_bytes = manifest["graph"]["weight_bytes"]["total"]
             quant = manifest.get("quantization", {})
-            if (self.int4_fragments and quant.get("bits") == 4 and manifest.get("precision") == "fp16"
+            if (self.int4_fragments and quant.get("bits") == 4 and manifest.get("precision") in ("fp16", "bf16")
                     and quant.get("group_size") in (64, 128, 256)):
                 # An upper bound: every quantized Linear in the layout (runtime/fusion.py).
                 from trtc.plugins.int4_gemm.fragment_kernel import fragment_extra_bytes

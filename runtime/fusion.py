@@ -22,9 +22,9 @@ left as it is.
 
 One rewrite changes how a node's weights are held rather than which nodes run:
 
-* ``Int4Gemm`` with fp16 constant weights becomes ``Int4GemmFragment``: the executor adds the
-  weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`) to its
-  constants, and calls of up to 8 tokens (16 on layers of at most 4096 x 4096: decode steps,
+* ``Int4Gemm`` with fp16 or bf16 constant weights becomes ``Int4GemmFragment``: the executor
+  adds the weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`) to
+  its constants, and calls of up to 8 tokens (16 on layers of at most 4096 x 4096: decode steps,
   short prefills) run that kernel; other calls the plugin's kernels on the weights as stored,
   which stay (the layout costs about as much memory again as the INT4 Linears,
   `fragment_extra_bytes`).
@@ -89,10 +89,11 @@ def _int4_gemm_fragment(x, attrs):
     n, k, group = attrs["out_features"], attrs["in_features"], attrs["group_size"]
     from trtc.plugins.int4_gemm import fragment_kernel as fk
     # On the CPU only in Triton's interpreter (the tests): the plugin's reference otherwise.
-    # x must be 16-byte aligned for the kernel's loads (a step's activations are).
+    # x in the weight's dtype (its records are in it), 16-byte aligned for the kernel's loads
+    # (a step's activations are).
     on_device = a.is_cuda or fk._interpreting()
     plan = (fk.fragment_plan(a.numel() // k, n, k, group)
-            if on_device and a.dtype == torch.float16 and a.data_ptr() % 16 == 0 else None)
+            if on_device and a.dtype == records.dtype and a.data_ptr() % 16 == 0 else None)
     if plan is None:
         return _int4_gemm([a, qweight, scales, zeros, bias], attrs)
     return [fk.int4_gemm_fragment(a, fk.FragmentWeight(words, records, n, k, group), bias,
@@ -216,7 +217,8 @@ def _fuse_gemm_swiglu(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
 
 
 def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants: dict) -> int:
-    """Int4Gemm nodes whose fp16 weights the fragment kernel takes, on a GPU that has its mma:
+    """Int4Gemm nodes whose fp16 or bf16 weights the fragment kernel takes, on a GPU that has
+    its mma:
     their weights in its layout added to ``constants`` (once per weight), the node rewritten to
     read both."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
@@ -227,13 +229,15 @@ def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants:
             continue
         qweight, scales, zeros = (constants.get(name) for name in n.inputs[1:4])
         a = n.attrs
-        if (qweight is None or scales is None or zeros is None or scales.dtype != torch.float16
+        if (qweight is None or scales is None or zeros is None
+                or scales.dtype not in (torch.float16, torch.bfloat16)
                 or not fk.device_supports(qweight.device)
                 or fk.fragment_supports(a["out_features"], a["in_features"], a["group_size"])):
             continue
         key = (*n.inputs[1:4], a["group_size"])
         if key not in packed:
-            names = tuple(f"{n.inputs[1]}.fragment{len(packed)}_{part}" for part in ("words", "records"))
+            names = tuple(f"{n.inputs[1]}.fragment{len(packed)}_{part}"
+                          for part in ("words", "records"))
             fw = fk.fragment_pack(qweight, scales, zeros, a["group_size"])
             constants[names[0]], constants[names[1]] = fw.words, fw.records
             packed[key] = names

@@ -1,9 +1,10 @@
 """A numpy emulator of one warp running the inline PTX of the Int4Gemm fragment kernel
 (`plugins/int4_gemm/fragment_kernel._warp_asm`), so that CI without a GPU checks the asm itself,
 not only the portable version the interpreter runs. It knows the instructions that asm uses and
-nothing else (an unknown one is an error), with their PTX ISA semantics: per-lane registers,
-predicated execution, global loads from one byte array (out of bounds is an error), f16x2
-arithmetic rounded to fp16, and ``mma.sync.m16n8k16`` with the ISA's fragment layout."""
+nothing else (an unknown one is an error), with their PTX ISA semantics: per-lane registers
+(a ``mov`` between 32-bit types keeps the bits), predicated execution, global loads from one
+byte array (out of bounds is an error), f16x2 / bf16x2 arithmetic rounded to fp16 / bf16, and
+``mma.sync.m16n8k16`` with the ISA's fragment layout."""
 from __future__ import annotations
 
 import re
@@ -94,7 +95,10 @@ class WarpEmulator:
             self._set(hi, v >> 16, pred)
         elif base == "mov":
             dtype = _TYPES["." + op.split(".")[-1]]
-            self._set(args[0], self._value(args[1], dtype), pred)
+            value, reg = self._value(args[1], dtype), self.regs[args[0]]
+            if value.dtype != reg.dtype and value.dtype.itemsize == reg.dtype.itemsize:
+                value = value.view(reg.dtype)              # the bits, not the number
+            self._set(args[0], value, pred)
         elif op == "setp.gt.s32":
             self._set(args[0], self._value(args[1]).astype(np.int64).astype(np.int32)
                       > int(args[2], 0), pred)
@@ -108,21 +112,26 @@ class WarpEmulator:
                                         self._value(args[2], np.uint64)), pred)
         elif op == "shr.b32":
             self._set(args[0], self._value(args[1]) >> np.uint32(int(args[2], 0)), pred)
+        elif op == "shl.b32":
+            self._set(args[0], self._value(args[1]) << np.uint32(int(args[2], 0)), pred)
+        elif op == "and.b32":
+            self._set(args[0], self._value(args[1]) & self._value(args[2]), pred)
         elif op == "prmt.b32":
             self._set(args[0], _prmt(self._value(args[1]), self._value(args[2]),
                                      int(args[3], 0)), pred)
         elif op == "lop3.b32":
             self._set(args[0], _lop3(self._value(args[1]), self._value(args[2]),
                                      self._value(args[3]), int(args[4], 0)), pred)
-        elif op in ("add.f16x2", "fma.rn.f16x2"):
-            vals = [_halves(self._value(a)) for a in args[1:]]
+        elif op in ("add.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
+            bf16 = "bf16" in op
+            vals = [_halves(self._value(a), bf16) for a in args[1:]]
             exact = vals[0] + vals[1] if op == "add.f16x2" else vals[0] * vals[1] + vals[2]
-            self._set(args[0], _pack_halves(exact), pred)
+            self._set(args[0], _pack_halves(exact, bf16), pred)
         elif op == "cvt.f32.f16":
             self._set(args[0], self._value(args[1], np.uint16).astype(np.uint16)
                       .view(np.float16).astype(np.float32), pred)
         elif op == "fma.rn.f32":
-            a, b, c = (self._value(x).astype(np.float64) for x in args[1:])
+            a, b, c = (_as_f32(self._value(x)).astype(np.float64) for x in args[1:])
             self._set(args[0], (a * b + c).astype(np.float32), pred)
         elif base == "ld":
             nbytes = {"v4": 16, "v2": 8}.get(op.split(".")[-2], 4)
@@ -130,20 +139,21 @@ class WarpEmulator:
             names = args[0][1:-1].split(",") if args[0].startswith("{") else [args[0]]
             for j, name in enumerate(names):
                 self._set(name.strip(), data[:, j], pred)
-        elif op == "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32":
+        elif op in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
             if not pred.all():
                 raise ValueError("mma.sync under a per-lane predicate")
-            self._mma(*(a[1:-1].split(",") for a in args))
+            self._mma(*(a[1:-1].split(",") for a in args), bf16="bf16" in op)
         else:
             raise NotImplementedError(f"the emulator does not know {op!r}")
 
-    def _mma(self, d, a, b, c) -> None:
+    def _mma(self, d, a, b, c, bf16=False) -> None:
         """D = A @ B + C for the warp: lane 4g + t holds A rows g, g + 8 at columns 2t, 2t + 1
         (a0 / a1) and 2t + 8, 2t + 9 (a2 / a3: registers of two halves each); B rows 2t, 2t + 1
         (b0) and 2t + 8, 2t + 9 (b1) of column g; C and D rows g, g + 8 at columns 2t, 2t + 1."""
         A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-        av = [_halves(self._value(r)).reshape(LANES, 2) for r in a]
-        bv = [_halves(self._value(r)).reshape(LANES, 2) for r in b]
+        av = [_halves(self._value(r), bf16).reshape(LANES, 2) for r in a]
+        bv = [_halves(self._value(r), bf16).reshape(LANES, 2) for r in b]
         cv = [self._value(r).astype(np.float64) for r in c]
         for lane in range(LANES):
             g, t = divmod(lane, 4)
@@ -175,12 +185,25 @@ def _split_operands(text: str) -> list[str]:
     return out + [current.strip()] if current.strip() else out
 
 
-def _halves(v: np.ndarray) -> np.ndarray:
-    """uint32 per lane -> float64 [lanes * 2]: low half first."""
-    return np.ascontiguousarray(v.astype(np.uint32)).view(np.float16).astype(np.float64)
+def _as_f32(v: np.ndarray) -> np.ndarray:
+    """A 32-bit register read by an .f32 instruction: its bits as fp32."""
+    return v.view(np.float32) if v.dtype == np.uint32 else v
 
 
-def _pack_halves(x: np.ndarray) -> np.ndarray:
+def _halves(v: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """uint32 per lane -> float64 [lanes * 2]: low half first (fp16, or bf16: the upper half
+    of an fp32)."""
+    halves = np.ascontiguousarray(v.astype(np.uint32)).view(np.uint16)
+    if bf16:
+        return (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return halves.view(np.float16).astype(np.float64)
+
+
+def _pack_halves(x: np.ndarray, bf16: bool = False) -> np.ndarray:
+    if bf16:           # round to nearest even on the 16 bits dropped from fp32
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return np.ascontiguousarray(bits.astype(np.uint16)).view(np.uint32)
     return np.ascontiguousarray(x.astype(np.float16)).view(np.uint32)
 
 

@@ -27,19 +27,23 @@ def decode_words(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return out
 
 
-def test_fragment_layout_holds_every_weight_once():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fragment_layout_holds_every_weight_once(dtype):
     n, k, group = 48, 384, 128
-    qweight, scales, zeros, _ = make_layer(n, k, group, torch.float16, False, seed=3, device="cpu")
+    qweight, scales, zeros, _ = make_layer(n, k, group, dtype, False, seed=3, device="cpu")
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
     assert fw.words.shape == (n // 16, k // 64, 32, 4) and fw.words.dtype == torch.int32
     assert torch.equal(decode_words(fw.words, n, k), unpack_int4(qweight).to(torch.int64))
-    # records [tiles, groups, g, 4]: -(1024 + z) of row g, -(64 + z) of row g + 8, both scales
+    # records [tiles, groups, g, 4] in x's dtype: the offsets of row g and row g + 8 (fp16:
+    # -(1024 + z), -(64 + z); bf16: -(128 + z) both), both rows' scales
+    lo, hi = (1024, 64) if dtype == torch.float16 else (128, 128)
+    assert fw.records.dtype == dtype
     rec = fw.records.float()
     z, s = zeros.float().view(n // 16, 2, 8, -1), scales.float().view(n // 16, 2, 8, -1)
-    assert torch.equal(rec[..., 0], -(1024 + z[:, 0]).transpose(1, 2))
-    assert torch.equal(rec[..., 1], -(64 + z[:, 1]).transpose(1, 2))
-    assert torch.equal(rec[..., 2], s[:, 0].transpose(1, 2).half().float())
-    assert torch.equal(rec[..., 3], s[:, 1].transpose(1, 2).half().float())
+    assert torch.equal(rec[..., 0], -(lo + z[:, 0]).transpose(1, 2))
+    assert torch.equal(rec[..., 1], -(hi + z[:, 1]).transpose(1, 2))
+    assert torch.equal(rec[..., 2], s[:, 0].transpose(1, 2))
+    assert torch.equal(rec[..., 3], s[:, 1].transpose(1, 2))
     assert fw.nbytes == qweight.numel() + n * (k // group) * 4
 
 
@@ -64,12 +68,12 @@ def test_fragment_plan_follows_the_measurements():
     assert plan(17, 64, 256, 128) is None
 
 
-def run(tokens, n, k, group, bias, plan=None, seed=0):
-    qweight, scales, zeros, b = make_layer(n, k, group, torch.float16, bias, seed)
+def run(tokens, n, k, group, bias, plan=None, seed=0, dtype=torch.float16):
+    qweight, scales, zeros, b = make_layer(n, k, group, dtype, bias, seed)
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
     g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
-    x = torch.randn(tokens, k, generator=g, device=DEVICE).half()
-    out = torch.full((tokens, n), float("nan"), dtype=torch.float16, device=DEVICE)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
+    out = torch.full((tokens, n), float("nan"), dtype=dtype, device=DEVICE)
     got = fragment_kernel.int4_gemm_fragment(x, fw, b, plan=plan, out=out)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
     w = dequantize(qweight, scales, zeros, group).double()
@@ -89,6 +93,11 @@ def test_fragment_kernel_matches_reference(tokens, n, k, group, bias, plan):
     assert run(tokens, n, k, group, bias, plan) < 1e-3
 
 
+def test_fragment_kernel_matches_reference_in_bf16():
+    # bf16 output: one rounding to 8 bits of mantissa (the tests' bf16 bound elsewhere: 1e-2)
+    assert run(3, 32, 256, 64, True, dtype=torch.bfloat16) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008), (2560, 2048)])
 @pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 16])
@@ -98,6 +107,14 @@ def test_fragment_kernel_on_gpu(n, k, tokens):
     else:
         plan = None
     assert run(tokens, n, k, 128, bias=tokens % 2 == 1, plan=plan) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008)])
+@pytest.mark.parametrize("tokens", [1, 5, 8, 16])
+def test_fragment_kernel_on_gpu_in_bf16(n, k, tokens):
+    plan = fragment_kernel.fragment_plan(tokens, n, k, 128) or fragment_kernel.FragmentPlan(1, 8)
+    assert run(tokens, n, k, 128, bias=True, plan=plan, dtype=torch.bfloat16) < 1e-2
 
 
 @pytest.mark.gpu
@@ -114,15 +131,17 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from trtc.plugins.int4_gemm import fragment_kernel as fk
-for tokens, n, k in [(1, 4096, 4096), (16, 4096, 4096), (2, 4096, 11008)]:
+for tokens, n, k, bf16 in [(1, 4096, 4096, False), (16, 4096, 4096, False),
+                          (2, 4096, 11008, False), (9, 4096, 4096, True)]:
     plan = fk.fragment_plan(tokens, n, k, 128)
     warps = plan.tiles * plan.warps_k
     chunk = -(-(k // 128) // plan.warps_k)
-    text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False)
+    text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False, bf16)
     consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
-                  HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints, PDL=True)
-    sig = {"x_ptr": "*fp16", "words_ptr": "*i32", "records_ptr": "*fp16", "bias_ptr": "*fp16",
-           "y_ptr": "*fp16", "T": "i32", "N": "i32", "K": "i32", "G": "i32",
+                  BF16=bf16, HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints, PDL=True)
+    half = "*bf16" if bf16 else "*fp16"
+    sig = {"x_ptr": half, "words_ptr": "*i32", "records_ptr": half, "bias_ptr": half,
+           "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32",
            **{name: "constexpr" for name in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
     src = triton.compiler.ASTSource(fn=fk._int4_fragment, signature=sig, constexprs=consts,
@@ -149,29 +168,30 @@ def test_fragment_asm_sees_one_element_per_thread_in_order():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert len(lines) == 3, out.stdout
+    assert len(lines) == 4, out.stdout
     for line in lines:
         warps = line.split()[3]
         assert line.endswith(f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], "
                              f"warpsPerCTA = [{warps}], order = [0]}}>"), line
 
 
-def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0):
+def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch.float16):
     """The kernel's asm for every warp of every program, in `ptx_emulator` (numpy), with the
     operands `_int4_fragment` gives it, the warps' sums added as `_store_acc` adds them;
     returns the relative error against the fp64 product."""
     import numpy as np
     from ptx_emulator import LANES, WarpEmulator
-    qweight, scales, zeros, _ = make_layer(n, k, group, torch.float16, False, seed, device="cpu")
+    qweight, scales, zeros, _ = make_layer(n, k, group, dtype, False, seed, device="cpu")
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
-    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).half()
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     parts = [t.contiguous().view(torch.uint8).numpy().reshape(-1) for t in (fw.words, fw.records, x)]
     bases = [0, parts[0].size, parts[0].size + parts[1].size]     # all multiples of 16
     memory = np.concatenate(parts)
     spg, groups = group // 16, k // group
     chunk = -(-groups // warps_k)
     two = tokens > fragment_kernel.ONE_MMA_TOKENS
-    asm, constraints = fragment_kernel._asm_text(chunk, spg, two, True, evict_first)
+    asm, constraints = fragment_kernel._asm_text(chunk, spg, two, True, evict_first,
+                                                 dtype == torch.bfloat16)
     lane = np.arange(LANES)
     g, c = lane // 4, lane % 4
     y = np.zeros((tokens, n))
@@ -198,11 +218,14 @@ def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0):
 
 
 # The asm itself, without a GPU: group 64 (4 steps a group, 2 groups a warp), the second mma's
-# tokens, warps with no groups, evict-first loads.
-@pytest.mark.parametrize("tokens, n, k, group, warps_k, evict_first", [
-    (3, 32, 256, 64, 2, False), (11, 16, 512, 128, 4, False), (1, 16, 256, 128, 4, True)])
-def test_fragment_asm_in_an_emulated_warp(tokens, n, k, group, warps_k, evict_first):
-    assert emulate(tokens, n, k, group, warps_k, evict_first) < 1e-3
+# tokens, warps with no groups, evict-first loads; bf16. The weight is exact in either dtype
+# and the sums are fp32, so the emulated warp is as close as the fp64 product's rounding.
+@pytest.mark.parametrize("tokens, n, k, group, warps_k, evict_first, dtype", [
+    (3, 32, 256, 64, 2, False, torch.float16), (11, 16, 512, 128, 4, False, torch.float16),
+    (1, 16, 256, 128, 4, True, torch.float16), (3, 32, 256, 64, 2, False, torch.bfloat16),
+    (11, 16, 512, 128, 4, False, torch.bfloat16)])
+def test_fragment_asm_in_an_emulated_warp(tokens, n, k, group, warps_k, evict_first, dtype):
+    assert emulate(tokens, n, k, group, warps_k, evict_first, dtype=dtype) < 1e-6
 
 
 def test_fragment_kernel_refuses_misaligned_x():
@@ -213,13 +236,14 @@ def test_fragment_kernel_refuses_misaligned_x():
         fragment_kernel.int4_gemm_fragment(x, fw)
 
 
-def test_fragment_rewrite_takes_fp16_weights_once_each():
-    """runtime/fusion.py's rewrite: fp16 weights only (bf16 stay on the plugin's kernels), a
-    weight read by two nodes is packed once, a node with another weight gets its own."""
+def test_fragment_rewrite_takes_each_weight_once():
+    """runtime/fusion.py's rewrite: fp16 and bf16 weights (fp32 ones stay on the plugin's
+    kernels), a weight read by two nodes is packed once, a node with another weight gets its
+    own."""
     from trtc.runtime.fusion import INT4_GEMM_FRAGMENT, fuse
     from trtc.runtime.torch_ops import GraphNode
     constants = {}
-    for name, dtype in (("a", torch.float16), ("b", torch.bfloat16), ("c", torch.float16)):
+    for name, dtype in (("a", torch.float16), ("b", torch.float32), ("c", torch.bfloat16)):
         qweight, scales, zeros, _ = make_layer(32, 256, 128, dtype, False, 0, device="cpu")
         constants.update({f"{name}.q": qweight, f"{name}.s": scales, f"{name}.z": zeros})
     attrs = {"group_size": 128, "in_features": 256, "out_features": 32}

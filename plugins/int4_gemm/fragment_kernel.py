@@ -11,13 +11,13 @@ at 8 tokens (16 with a second mma a step), and all of a program's weights are re
 the wait (as the rows kernel does). Measured (docs/gpu-kernels.md): 1.3-1.85x the plugin-layout
 kernels at 2..8 tokens, 3-5% faster at one.
 
-The fragment layout. ``mma.sync.m16n8k16`` (fp16 inputs, fp32 accumulators) wants lane ``l =
-4 g + c`` of a warp to hold, of a 16 x 16 weight tile, rows ``g`` and ``g + 8`` at four of the
-16 columns (its A fragment: 8 weights, one 32-bit word of nibbles), and of x the same four
-columns for token ``g`` (its B fragment). Which four does not matter as long as A and B agree
-(the mma sums over them), so they are chosen to make x's loads wide: in each block of 64 columns
-(four steps) lane c takes columns ``16 c .. 16 c + 15``, four a step, so its B fragments of four
-steps are 32 contiguous bytes of x. `fragment_pack` stores, for each 16-row tile ``r`` and
+The fragment layout. ``mma.sync.m16n8k16`` (fp16 or bf16 inputs, fp32 accumulators) wants
+lane ``l = 4 g + c`` of a warp to hold, of a 16 x 16 weight tile, rows ``g`` and ``g + 8`` at
+four of the 16 columns (its A fragment: 8 weights, one 32-bit word of nibbles), and of x the
+same four columns for token ``g`` (its B fragment). Which four does not matter as long as A and
+B agree (the mma sums over them), so they are chosen to make x's loads wide: in each block of 64
+columns (four steps) lane c takes columns ``16 c .. 16 c + 15``, four a step, so its B fragments
+of four steps are 32 contiguous bytes of x. `fragment_pack` stores, for each 16-row tile ``r`` and
 64-column block ``b``, the 32 lanes' words of steps ``u = 0..3``, nibble ``m`` (bits ``4m ..
 4m + 3``) of a lane's word holding::
 
@@ -26,14 +26,17 @@ steps are 32 contiguous bytes of x. `fragment_pack` stores, for each 16-row tile
 so that two LOP3s of the word (nibbles 0/4 and 1/5) and two of the word shifted right by 8 (2/6
 and 3/7) give the four f16x2 registers of the A operand in order. Words are stored ``[N/16,
 K/64, 32 lanes, 4 steps]``: a lane loads four steps in one 16-byte load, a warp 512 contiguous
-bytes. Per (tile, group, g) an 8-byte record (fp16): ``-(1024 + z)`` of row g, ``-(64 + z)`` of
-row g + 8 (the dequantization's offsets, see below) and the two rows' scales. The layout holds
+bytes. Per (tile, group, g) an 8-byte record in x's dtype: ``-(1024 + z)`` of row g, ``-(64 +
+z)`` of row g + 8 (the dequantization's offsets, see below; bf16: ``-(128 + z)`` both) and the
+two rows' scales. The layout holds
 the same bytes as the plugin's packed weight, and records of 4 bytes per row and group instead
 of 3 for scales and zeros.
 
 Dequantization (inline PTX, as the other kernels): OR-ing a nibble into the mantissa of 1024
 gives ``1024 + q`` exactly; for the high nibble of a byte pair it is ``1024 + 16 q``, taken
-times 1/16. Adding the record's offset gives ``q - z`` exactly in fp16; the mma multiplies by x
+times 1/16. Adding the record's offset gives ``q - z`` exactly in fp16. bf16 (x and scales in
+bf16, the records too) has 7 mantissa bits: each nibble is shifted down first and OR-ed into
+128, and the records hold ``-(128 + z)`` for both rows. The mma multiplies by x
 and sums in fp32; each group's sums are multiplied by its scale in fp32 (the weight is never
 rounded). A program owns ``TILES`` 16-row tiles; ``WARPS_K`` warps share a tile's columns,
 ``CHUNK`` groups each, and their sums are added at the end (the tile's last warps may have
@@ -67,7 +70,8 @@ MAX_TOKENS = 16         # two mma's of N = 8 a step
 @dataclass(frozen=True)
 class FragmentWeight:
     """One Int4Gemm weight in the fragment layout (module docstring): ``words`` int32 ``[N/16,
-    K/64, 32, 4]``, ``records`` fp16 ``[N/16, G, 8, 4]``; plus the layer's shape."""
+    K/64, 32, 4]``, ``records`` ``[N/16, G, 8, 4]`` in the activations' dtype (fp16 or bf16);
+    plus the layer's shape."""
     words: torch.Tensor
     records: torch.Tensor
     out_features: int
@@ -79,13 +83,17 @@ class FragmentWeight:
         return self.records.shape[1]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.records.dtype
+
+    @property
     def nbytes(self) -> int:
         return self.words.numel() * 4 + self.records.numel() * 2
 
 
 def device_supports(device: torch.device) -> bool:
-    """mma.sync.m16n8k16 on fp16 and the cache-policy loads: sm_80 and later (and Triton's CPU
-    interpreter, which runs the portable version)."""
+    """mma.sync.m16n8k16 on fp16 and bf16, and the cache-policy loads: sm_80 and later (and
+    Triton's CPU interpreter, which runs the portable version)."""
     if device.type != "cuda":
         return _interpreting()
     return torch.cuda.get_device_capability(device)[0] >= 8
@@ -104,12 +112,16 @@ def fragment_supports(out_features: int, in_features: int, group_size: int) -> s
 
 def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int) -> FragmentWeight:
-    """The plugin's ``qweight [N, K/2]``, ``scales [N, G]`` (fp16), ``zeros [N, G]`` in the
-    fragment layout (on their device; torch ops, a load-time step)."""
+    """The plugin's ``qweight [N, K/2]``, ``scales [N, G]`` (fp16 or bf16: the activations'
+    dtype), ``zeros [N, G]`` in the fragment layout (on their device; torch ops, a load-time
+    step)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     why = fragment_supports(n, k, group_size)
     if why:
         raise ValueError(f"Int4Gemm fragment layout: {why}")
+    if scales.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"Int4Gemm fragment layout: scales must be fp16 or bf16 (the "
+                         f"activations' dtype), got {scales.dtype}")
     tiles, blocks = n // TILE_ROWS, k // 64
     words = torch.empty((tiles, blocks, 32, 4), dtype=torch.int32, device=qweight.device)
     # 2**24 weights at a time: the unpacked nibbles of a whole layer would take 8x its bytes.
@@ -126,15 +138,17 @@ def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
         words[r0:r1] = word.view(r1 - r0, blocks, 32, 4)             # [r, b, lane, u]
     z = zeros.to(torch.float32).view(tiles, 2, 8, -1)                 # [r, hb, g, G]
     s = scales.to(torch.float32).view(tiles, 2, 8, -1)
-    records = torch.stack((-(1024.0 + z[:, 0]), -(64.0 + z[:, 1]), s[:, 0], s[:, 1]), dim=-1)
-    records = records.permute(0, 2, 1, 3).to(torch.float16).contiguous()   # [r, G, g, 4]
+    # The dequantization's offsets (exact in either dtype), then both rows' scales.
+    lo, hi = (128.0, 128.0) if scales.dtype == torch.bfloat16 else (1024.0, 64.0)
+    records = torch.stack((-(lo + z[:, 0]), -(hi + z[:, 1]), s[:, 0], s[:, 1]), dim=-1)
+    records = records.permute(0, 2, 1, 3).to(scales.dtype).contiguous()   # [r, G, g, 4]
     return FragmentWeight(words, records, n, k, group_size)
 
 
 # --- the PTX of one warp's share ------------------------------------------------------------
 
 def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
-              evict_first: bool = False) -> str:
+              evict_first: bool = False, bf16: bool = False) -> str:
     """The inline PTX of one lane: load its words and records (``chunk`` groups of
     ``steps_per_group`` 16-column steps; group ``i`` only if ``i < nvalid``), let the next kernel
     launch and wait for the previous one (PDL), then per group: x's B fragments (two 16-byte
@@ -143,7 +157,8 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
     scaled into the accumulators at the group's end. Operands: outputs ``$0..$3`` (``$0..$7``
     with ``two_mma``) the accumulators; then the words' address, the records' address, x's
     address (and the second 8 tokens'), nvalid. ``evict_first``: the words' loads carry L2's
-    evict-first policy (measured: no difference, so plans leave it off)."""
+    evict-first policy (measured: no difference, so plans leave it off). ``bf16``: x, the
+    records and the mma in bf16 (module docstring)."""
     outs = 8 if two_mma else 4
     a_w, a_r, a_x = outs, outs + 1, outs + 2
     a_x2 = outs + 3
@@ -151,16 +166,18 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
     spg = steps_per_group
     steps = chunk * spg
     xs = 2 if two_mma else 1
+    ab = "bf16" if bf16 else "f16"
     lines = ["{",
              f".reg .pred p<{chunk}>;",
              f".reg .b32 w<{steps}>;",
              f".reg .b32 rz<{chunk}>, rs<{chunk}>;",
              f".reg .b32 x<{steps * 2 * xs}>;",
              ".reg .b64 xg, xh;",
-             ".reg .b32 t, a0, a1, a2, a3, olo, ohi, c16;",
+             ".reg .b32 t, a0, a1, a2, a3, olo, ohi, c16, sb;",
              ".reg .b16 sl, sh;",
              ".reg .f32 d<8>, acc<8>, fl, fh, zero;",
-             "mov.b32 c16, 0x2C002C00;",
+             # fp16: 1/16 in both halves (the high nibbles); bf16: 1.0 (an fma adds the offset)
+             f"mov.b32 c16, {'0x3F803F80' if bf16 else '0x2C002C00'};",
              "mov.f32 zero, 0f00000000;"]
     for j in range(outs):
         lines.append(f"mov.f32 acc{j}, 0f00000000;")
@@ -209,25 +226,38 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
         for u in range(spg):
             s = i * spg + u
             first = u == 0
-            lines += [f"lop3.b32 a0, w{s}, 0x000F000F, 0x64006400, 0xEA;",
-                      f"lop3.b32 a1, w{s}, 0x00F000F0, 0x64006400, 0xEA;",
-                      f"shr.b32 t, w{s}, 8;",
-                      f"lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA;",
-                      f"lop3.b32 a3, t, 0x00F000F0, 0x64006400, 0xEA;",
-                      "add.f16x2 a0, a0, olo;",
-                      "fma.rn.f16x2 a1, a1, c16, ohi;",
-                      "add.f16x2 a2, a2, olo;",
-                      "fma.rn.f16x2 a3, a3, c16, ohi;"]
+            if bf16:         # nibble m of the word: shifted down to bits 0-3 / 16-19 first
+                for r, shift in enumerate((0, 4, 8, 12)):
+                    src = f"w{s}"
+                    if shift:
+                        lines.append(f"shr.b32 t, w{s}, {shift};")
+                        src = "t"
+                    lines += [f"lop3.b32 a{r}, {src}, 0x000F000F, 0x43004300, 0xEA;",
+                              f"fma.rn.bf16x2 a{r}, a{r}, c16, {'ohi' if r % 2 else 'olo'};"]
+            else:
+                lines += [f"lop3.b32 a0, w{s}, 0x000F000F, 0x64006400, 0xEA;",
+                          f"lop3.b32 a1, w{s}, 0x00F000F0, 0x64006400, 0xEA;",
+                          f"shr.b32 t, w{s}, 8;",
+                          f"lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA;",
+                          f"lop3.b32 a3, t, 0x00F000F0, 0x64006400, 0xEA;",
+                          "add.f16x2 a0, a0, olo;",
+                          "fma.rn.f16x2 a1, a1, c16, ohi;",
+                          "add.f16x2 a2, a2, olo;",
+                          "fma.rn.f16x2 a3, a3, c16, ohi;"]
             for h in range(xs):
                 d = f"d{4 * h}, d{4 * h + 1}, d{4 * h + 2}, d{4 * h + 3}"
                 acc_in = "zero, zero, zero, zero" if first else d
                 r = (h * steps + s) * 2
-                lines.append("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
                              f"{{{d}}}, {{a0, a1, a2, a3}}, {{x{r}, x{r + 1}}}, {{{acc_in}}};")
         # d0, d1 (and d4, d5): row g; d2, d3 (d6, d7): row g + 8.
-        lines += [f"mov.b32 {{sl, sh}}, rs{i};",
-                  "cvt.f32.f16 fl, sl;",
-                  "cvt.f32.f16 fh, sh;"]
+        if bf16:           # a bf16 is the upper half of an fp32
+            lines += [f"shl.b32 sb, rs{i}, 16;", "mov.b32 fl, sb;",
+                      f"and.b32 sb, rs{i}, 0xFFFF0000;", "mov.b32 fh, sb;"]
+        else:
+            lines += [f"mov.b32 {{sl, sh}}, rs{i};",
+                      "cvt.f32.f16 fl, sl;",
+                      "cvt.f32.f16 fh, sh;"]
         for j in range(outs):
             lines.append(f"fma.rn.f32 acc{j}, d{j}, {'fl' if j % 4 < 2 else 'fh'}, acc{j};")
     for j in range(outs):
@@ -239,7 +269,7 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
 @triton.jit
 def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid, T, K, G,
                    HB: tl.constexpr, TOK_OFF: tl.constexpr, CHUNK: tl.constexpr,
-                   SPG: tl.constexpr):
+                   SPG: tl.constexpr, BF16: tl.constexpr):
     """What the asm leaves in a lane's accumulators for row ``g + 8 HB`` and the tokens ``2c +
     TOK_OFF`` and ``+ 1``, in portable Triton (Triton's CPU interpreter): the mma's sum over a
     step's 16 columns written out from the four lanes (g, 0..3) that hold them."""
@@ -253,7 +283,8 @@ def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvali
     for gi in range(CHUNK):
         ok = gi < nvalid
         rec = records_ptr + ((tile_c.to(tl.int64) * G + kc * CHUNK + gi) * 8 + g) * 4
-        offset = tl.load(rec + HB, mask=ok, other=0.0).to(tl.float32) + (64.0 if HB else 1024.0)
+        magic: tl.constexpr = 128.0 if BF16 else (64.0 if HB else 1024.0)
+        offset = tl.load(rec + HB, mask=ok, other=0.0).to(tl.float32) + magic
         scale = tl.load(rec + 2 + HB, mask=ok, other=0.0).to(tl.float32)
         dot_a = tl.zeros(g.shape, dtype=tl.float32)
         dot_b = tl.zeros(g.shape, dtype=tl.float32)
@@ -281,9 +312,9 @@ def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvali
 @triton.jit(do_not_specialize=["T"])
 def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
                    TILES: tl.constexpr, WARPS_K: tl.constexpr, CHUNK: tl.constexpr,
-                   SPG: tl.constexpr, TWO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   ASM: tl.constexpr, ASM_TEXT: tl.constexpr, CONSTRAINTS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SPG: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr, ASM_TEXT: tl.constexpr,
+                   CONSTRAINTS: tl.constexpr, PDL: tl.constexpr):
     """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
     tensor here has one element a thread: ``i = 32 * warp + lane``."""
     THREADS: tl.constexpr = TILES * WARPS_K * 32
@@ -303,7 +334,7 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
         # words [tiles, K/64, 32, 4] int32: this lane's 16 bytes of steps step0 .. step0 + 3
         wbase = words_ptr + ((tile_c.to(tl.int64) * (K // 64) + step0 // 4) * 32 + lane) * 4
         rbase = records_ptr + ((tile_c.to(tl.int64) * G + kc * CHUNK) * 8 + g) * 4
-        # x as fp16 [T, K]: lane (g, c) reads token g's columns 16 c .. 16 c + 15 of each 64
+        # x as fp16/bf16 [T, K]: lane (g, c) reads token g's columns 16 c .. 16 c + 15 of each 64
         # (the B fragments of 4 steps); tokens past T read the last token (their sums are not
         # stored); a warp with nothing to do reads from x's start.
         tok = tl.minimum(g, T - 1)
@@ -326,14 +357,14 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
     else:
         pdl.begin(PDL)
         a0, a1 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
-                                T, K, G, 0, 0, CHUNK, SPG)
+                                T, K, G, 0, 0, CHUNK, SPG, BF16)
         a2, a3 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
-                                T, K, G, 1, 0, CHUNK, SPG)
+                                T, K, G, 1, 0, CHUNK, SPG, BF16)
         if TWO:
             a4, a5 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
-                                    nvalid, T, K, G, 0, 8, CHUNK, SPG)
+                                    nvalid, T, K, G, 0, 8, CHUNK, SPG, BF16)
             a6, a7 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
-                                    nvalid, T, K, G, 1, 8, CHUNK, SPG)
+                                    nvalid, T, K, G, 1, 8, CHUNK, SPG, BF16)
     # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator j holds row
     # g + 8 (j >= 2) and token 2c + (j & 1) (+ 8 for the second mma's).
     lane_t = tl.arange(0, 32)
@@ -398,32 +429,35 @@ def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan 
 
 def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
     """Device bytes the fragment layout adds to an INT4 artifact whose quantized Linears hold
-    ``quantized_linear_bytes`` (packed weights, fp16 scales and zeros: ``N K (1/2 + 3/g)``):
+    ``quantized_linear_bytes`` (packed weights, 2-byte scales and zeros: ``N K (1/2 + 3/g)``):
     words ``N K / 2`` and records ``4 N K / g``, when every Linear takes the layout."""
     g = group_size
     return int(quantized_linear_bytes * (0.5 + 4 / g) / (0.5 + 3 / g)) + 1
 
 
 @functools.lru_cache(maxsize=None)
-def _asm_text(chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool) -> tuple[str, str]:
+def _asm_text(chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool,
+              bf16: bool = False) -> tuple[str, str]:
     """The asm and its constraints: the accumulators, then the operands `_int4_fragment`
     passes (addresses as 64-bit integers, nvalid as 32)."""
     ins = ["l", "l", "l"] + (["l"] if two else []) + ["r"]
-    return (_warp_asm(chunk, spg, two, pdl_on, evict_first),
+    return (_warp_asm(chunk, spg, two, pdl_on, evict_first, bf16),
             ",".join(["=f"] * (8 if two else 4) + ins))
 
 
 def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None,
                        *, plan: FragmentPlan | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, N] = x @ dequantize(W).T + bias`` for fp16 ``x [T, K]``, 1 <= T <= 16 (CUDA;
+    """``y [T, N] = x @ dequantize(W).T + bias`` for ``x [T, K]`` in the weight's dtype (fp16
+    or bf16), 1 <= T <= 16 (CUDA;
     Triton's CPU interpreter runs the portable version). ``plan`` overrides `fragment_plan`
     (which must not be None for this call)."""
     n, k = weight.out_features, weight.in_features
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
-    if x2.dtype != torch.float16 or not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"Int4Gemm fragment kernel: fp16 x of 1..{MAX_TOKENS} tokens, got "
+    if x2.dtype != weight.dtype or not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"Int4Gemm fragment kernel: x of 1..{MAX_TOKENS} tokens in the "
+                         f"weight's {weight.dtype}, got "
                          f"{x2.dtype} x {tokens}")
     if x2.data_ptr() % 16:
         raise ValueError("Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
@@ -439,12 +473,13 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
     two = tokens > ONE_MMA_TOKENS
     asm = not _interpreting()
     launch = pdl.launch_options(x.device)
-    text, constraints = (_asm_text(chunk, spg, two, launch["PDL"], plan.evict_first)
+    bf16 = weight.dtype == torch.bfloat16
+    text, constraints = (_asm_text(chunk, spg, two, launch["PDL"], plan.evict_first, bf16)
                          if asm else ("", ""))
     bias_arg = bias.contiguous() if bias is not None else y
     _int4_fragment[(-(-(n // TILE_ROWS) // plan.tiles),)](
         x2, weight.words, weight.records, bias_arg, y, tokens, n, k, groups,
-        TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two,
+        TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two, BF16=bf16,
         HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, CONSTRAINTS=constraints,
         num_warps=plan.tiles * plan.warps_k,
         **launch)
