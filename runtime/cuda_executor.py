@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from trtc.compiler.artifact import read_manifest
-from trtc.runtime.fusion import fuse
+from trtc.runtime.fusion import fuse, int4_fragment_bytes
 from trtc.runtime.torch_executor import GraphNode, TorchExecutor
 
 log = logging.getLogger("trtc.executor")
@@ -51,13 +51,8 @@ class CudaExecutor(TorchExecutor):
         manifest = read_manifest(artifact_dir)
         if num_blocks is None:
             weight_bytes = manifest["graph"]["weight_bytes"]["total"]
-            quant = manifest.get("quantization", {})
-            if (self.int4_fragments and quant.get("bits") == 4 and manifest.get("precision") in ("fp16", "bf16")
-                    and quant.get("group_size") in (64, 128, 256)):
-                # An upper bound: every quantized Linear in the layout (runtime/fusion.py).
-                from trtc.plugins.int4_gemm.fragment_kernel import fragment_extra_bytes
-                weight_bytes += fragment_extra_bytes(quant["linear_weight_bytes_quantized"],
-                                                     quant["group_size"])
+            if self.int4_fragments:
+                weight_bytes += int4_fragment_bytes(manifest)
             num_blocks = blocks_for_memory(manifest, memory_fraction, torch.device(device), weight_bytes)
         super().__init__(artifact_dir, num_blocks, device)
         limits = manifest["limits"]

@@ -88,12 +88,10 @@ def _int4_gemm_fragment(x, attrs):
     a, qweight, scales, zeros, bias, words, records = x
     n, k, group = attrs["out_features"], attrs["in_features"], attrs["group_size"]
     from trtc.plugins.int4_gemm import fragment_kernel as fk
-    # On the CPU only in Triton's interpreter (the tests): the plugin's reference otherwise.
-    # x in the weight's dtype (its records are in it), 16-byte aligned for the kernel's loads
-    # (a step's activations are).
-    on_device = a.is_cuda or fk._interpreting()
+    # The rewrite checked the device; x in the weight's dtype (its records are in it), 16-byte
+    # aligned for the kernel's loads (a step's activations are).
     plan = (fk.fragment_plan(a.numel() // k, n, k, group)
-            if on_device and a.dtype == records.dtype and a.data_ptr() % 16 == 0 else None)
+            if a.dtype == records.dtype and a.data_ptr() % 16 == 0 else None)
     if plan is None:
         return _int4_gemm([a, qweight, scales, zeros, bias], attrs)
     return [fk.int4_gemm_fragment(a, fk.FragmentWeight(words, records, n, k, group), bias,
@@ -217,10 +215,9 @@ def _fuse_gemm_swiglu(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
 
 
 def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants: dict) -> int:
-    """Int4Gemm nodes whose fp16 or bf16 weights the fragment kernel takes, on a GPU that has
-    its mma:
-    their weights in its layout added to ``constants`` (once per weight), the node rewritten to
-    read both."""
+    """Int4Gemm nodes whose fp16 or bf16 weights the fragment kernel takes, on a device that
+    runs it: their weights in its layout added to ``constants`` (once per weight), the node
+    rewritten to read both."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
     count = 0
     packed: dict[tuple, tuple[str, str]] = {}
@@ -245,6 +242,18 @@ def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants:
         replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [*n.inputs[:4], bias, *packed[key]], n.outputs, a)
         count += 1
     return count
+
+
+def int4_fragment_bytes(manifest: dict) -> int:
+    """What `_int4_fragments` may add to an artifact's device memory, from its manifest (before
+    loading it): an upper bound, every quantized Linear in the layout; 0 where the rewrite takes
+    none (no INT4, fp32 activations, a group size the kernel does not take)."""
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+    quant = manifest.get("quantization", {})
+    if (quant.get("bits") != 4 or manifest.get("precision") not in ("fp16", "bf16")
+            or quant.get("group_size") not in fk.GROUP_SIZES):
+        return 0
+    return fk.fragment_extra_bytes(quant["linear_weight_bytes_quantized"], quant["group_size"])
 
 
 def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str],

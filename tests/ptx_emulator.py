@@ -62,11 +62,11 @@ class WarpEmulator:
         kinds = constraints.split(",")
         outs = [k for k in kinds if k.startswith("=")]
         for i, kind in enumerate(kinds):
-            dtype = {"=f": np.float32, "l": np.uint64, "r": np.uint32}[kind]
-            value = (np.zeros(LANES) if kind.startswith("=")
-                     else np.asarray(operands[i - len(outs)]).astype(np.int64))
-            self.regs[f"${i}"] = value.astype(dtype) if dtype is not np.uint32 \
-                else value.astype(np.int64).astype(np.uint32)
+            if kind.startswith("="):
+                self.regs[f"${i}"] = np.zeros(LANES, dtype=np.float32)
+            else:       # integers (addresses, counts) as the register's unsigned bits
+                dtype = {"l": np.uint64, "r": np.uint32}[kind]
+                self.regs[f"${i}"] = np.asarray(operands[i - len(outs)]).astype(np.int64).astype(dtype)
         for raw in asm.splitlines():
             line = raw.strip()
             if not line or line in "{}":

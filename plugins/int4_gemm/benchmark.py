@@ -216,6 +216,40 @@ def prefill_variants() -> list:
     return [None, Plan(128, 128, num_warps=8, num_stages=3, block_k=128)]
 
 
+def time_variant(rows, failures, deadline, where, name, call, calls, want, fp16_us, bw,
+                 meta_bytes, **extra):
+    """Check ``call()`` against ``want``, then time ``calls`` (the same on every weight set):
+    appends the row (``extra`` merged in) and prints it. None, and a failure or a skipped row,
+    when it does not compile, is wrong, or the time budget is spent. ``meta_bytes``: bytes of
+    scales, zeros (or records) per row and group, for ``all_bytes_fraction``."""
+    n, k, tokens = where["n"], where["k"], where["tokens"]
+    if time.monotonic() > deadline:
+        rows.append({**where, "variant": name, "skipped": "time budget"})
+        return None
+    try:
+        err = rel_err(call(), want)
+    except Exception as e:                       # a variant that does not compile
+        failures.append(f"{n}x{k} T={tokens} {name}: {type(e).__name__}: {e}"[:300])
+        return None
+    if not err < 2e-3:
+        failures.append(f"{n}x{k} T={tokens} {name}: relative error {err:.2e}")
+        return None
+    us = per_call_us(calls)
+    packed = n * k // 2
+    row = {**where, "variant": name, "rel_err": err, "us": us, "speedup_vs_fp16": fp16_us / us,
+           "tflops": 2 * tokens * n * k / (us * 1e-6) / 1e12,
+           "packed_GBps": packed / (us * 1e-6) / 1e9,
+           "fraction_of_copy_bw": packed / (us * 1e-6) / bw,
+           "all_bytes_fraction": (packed + meta_bytes * n * (-(-k // GROUP)) + 2 * tokens * (k + n))
+                                 / (us * 1e-6) / bw, **extra}
+    rows.append(row)
+    print(f"{n:5d}x{k:<5d} T={tokens:4d} {name:38s} {us:8.2f} us  err {err:.1e}  "
+          + (f"{row['fraction_of_copy_bw'] * 100:5.1f}% copy bw" if tokens <= 16
+             else f"{row['tflops']:6.1f} TFLOP/s") + f"  x{row['speedup_vs_fp16']:.2f} vs fp16",
+          flush=True)
+    return row
+
+
 def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
                 split_alternatives=True):
     import torch.nn.functional as F
@@ -236,66 +270,25 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
         rows.append({**base, "variant": "torch fp16 matmul", "us": fp16_us,
                      "tflops": 2 * tokens * n * k / (fp16_us * 1e-6) / 1e12,
                      "fraction_of_copy_bw": 2 * n * k / (fp16_us * 1e-6) / bw})
+        timing = (rows, failures, deadline, base)
         for plan in (decode_variants(tokens, n, k, sms, split_alternatives) if decode
                      else prefill_variants()):
-            name = plan_name(plan)
-            if time.monotonic() > deadline:
-                rows.append({**base, "variant": name, "skipped": "time budget"})
-                continue
-            try:
-                err = rel_err(kernels.int4_gemm(x, *sets[0], plan=plan, **kw), want)
-            except Exception as e:                       # a variant that does not compile
-                failures.append(f"{n}x{k} T={tokens} {name}: {type(e).__name__}: {e}"[:300])
-                continue
-            if not err < 2e-3:
-                failures.append(f"{n}x{k} T={tokens} {name}: relative error {err:.2e}")
-                continue
-            us = per_call_us([lambda s=s: kernels.int4_gemm(x, *s, plan=plan, **kw) for s in sets])
-            row = {**base, "variant": name, "plan": None if plan is None else plan.__dict__,
-                   "rel_err": err, "us": us, "speedup_vs_fp16": fp16_us / us,
-                   "tflops": 2 * tokens * n * k / (us * 1e-6) / 1e12,
-                   "packed_GBps": packed / (us * 1e-6) / 1e9,
-                   "fraction_of_copy_bw": packed / (us * 1e-6) / bw,
-                   "all_bytes_fraction": (packed + 3 * n * (-(-k // GROUP)) + 2 * tokens * (k + n))
-                                         / (us * 1e-6) / bw}
-            if plan is None:
-                row["plan"] = kernels.default_plan(tokens, n, k, GROUP, sms).__dict__
-                default_calls = [lambda s=s: kernels.int4_gemm(x, *s, **kw) for s in sets]
-            # The split-K kernel's own plan: the default before the weights-first kernel.
-            row["split_plan"] = row["plan"] == kernels.split_plan(tokens, n, k, GROUP, sms).__dict__
-            rows.append(row)
-            print(f"{n:5d}x{k:<5d} T={tokens:4d} {name:38s} {us:8.2f} us  err {err:.1e}  "
-                  + (f"{row['fraction_of_copy_bw'] * 100:5.1f}% copy bw" if decode
-                     else f"{row['tflops']:6.1f} TFLOP/s") + f"  x{row['speedup_vs_fp16']:.2f} vs fp16",
-                  flush=True)
+            chosen = plan or kernels.default_plan(tokens, n, k, GROUP, sms)
+            calls = [lambda s=s, p=plan: kernels.int4_gemm(x, *s, plan=p, **kw) for s in sets]
+            # split_plan: the split-K kernel's own plan, the default before the weights-first one.
+            row = time_variant(*timing, plan_name(plan), calls[0], calls, want, fp16_us, bw, 3,
+                               plan=chosen.__dict__,
+                               split_plan=chosen == kernels.split_plan(tokens, n, k, GROUP, sms))
+            if row is not None and plan is None:
+                default_calls = calls
         if decode and not fragment.fragment_supports(n, k, GROUP):
             if fsets is None:
                 fsets = [fragment.fragment_pack(*s, GROUP) for s in sets]
             chosen = fragment.fragment_plan(tokens, n, k, GROUP)
             for plan in fragment_variants(tokens, n, k):
-                name = fragment_name(plan)
-                if time.monotonic() > deadline:
-                    rows.append({**base, "variant": name, "skipped": "time budget"})
-                    continue
-                try:
-                    err = rel_err(fragment.int4_gemm_fragment(x, fsets[0], plan=plan), want)
-                except Exception as e:
-                    failures.append(f"{n}x{k} T={tokens} {name}: {type(e).__name__}: {e}"[:300])
-                    continue
-                if not err < 2e-3:
-                    failures.append(f"{n}x{k} T={tokens} {name}: relative error {err:.2e}")
-                    continue
-                us = per_call_us([lambda f=f: fragment.int4_gemm_fragment(x, f, plan=plan)
-                                  for f in fsets])
-                rows.append({**base, "variant": name, "plan": plan.__dict__, "fragment": True,
-                             "chosen": plan == chosen, "rel_err": err, "us": us,
-                             "speedup_vs_fp16": fp16_us / us,
-                             "tflops": 2 * tokens * n * k / (us * 1e-6) / 1e12,
-                             "packed_GBps": packed / (us * 1e-6) / 1e9,
-                             "fraction_of_copy_bw": packed / (us * 1e-6) / bw})
-                print(f"{n:5d}x{k:<5d} T={tokens:4d} {name:38s} {us:8.2f} us  err {err:.1e}  "
-                      f"{rows[-1]['fraction_of_copy_bw'] * 100:5.1f}% copy bw  "
-                      f"x{fp16_us / us:.2f} vs fp16", flush=True)
+                calls = [lambda f=f, p=plan: fragment.int4_gemm_fragment(x, f, plan=p) for f in fsets]
+                time_variant(*timing, fragment_name(plan), calls[0], calls, want, fp16_us, bw, 4,
+                             plan=plan.__dict__, fragment=True, chosen=plan == chosen)
         # The default plan once more, last: the spread between its two times is the noise.
         if default_calls is not None:
             rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})

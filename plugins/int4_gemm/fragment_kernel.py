@@ -28,9 +28,8 @@ and 3/7) give the four f16x2 registers of the A operand in order. Words are stor
 K/64, 32 lanes, 4 steps]``: a lane loads four steps in one 16-byte load, a warp 512 contiguous
 bytes. Per (tile, group, g) an 8-byte record in x's dtype: ``-(1024 + z)`` of row g, ``-(64 +
 z)`` of row g + 8 (the dequantization's offsets, see below; bf16: ``-(128 + z)`` both) and the
-two rows' scales. The layout holds
-the same bytes as the plugin's packed weight, and records of 4 bytes per row and group instead
-of 3 for scales and zeros.
+two rows' scales. The layout holds the same bytes as the plugin's packed weight, and records of
+4 bytes per row and group instead of 3 for scales and zeros.
 
 Dequantization (inline PTX, as the other kernels): OR-ing a nibble into the mantissa of 1024
 gives ``1024 + q`` exactly; for the high nibble of a byte pair it is ``1024 + 16 q``, taken
@@ -44,8 +43,8 @@ nothing to do: their groups past K are predicated off).
 
 Only the elementwise inline asm puts tensors in registers here, so the kernel depends on each
 ``[32 * num_warps]`` tensor having element ``i`` in lane ``i % 32`` of warp ``i // 32`` (Triton's
-default layout for such a tensor; a test compiles the kernel for sm_90 and checks it) and on the asm
-being executed by the whole warp at once (mma.sync is warp-wide). Triton's CPU interpreter runs
+default layout for such a tensor; a test compiles the kernel for sm_90 and checks it) and on
+the asm being executed by the whole warp at once (mma.sync is warp-wide). Triton's CPU interpreter runs
 a portable version of the same loads and arithmetic (``ASM=False``); the tests also run the PTX
 itself in a numpy emulator of one warp (tests/ptx_emulator.py).
 """
@@ -65,6 +64,7 @@ from trtc.plugins.int4_gemm.triton_kernels import _interpreting
 TILE_ROWS = 16          # an mma's M
 STEP_COLS = 16          # an mma's K
 MAX_TOKENS = 16         # two mma's of N = 8 a step
+GROUP_SIZES = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ def fragment_supports(out_features: int, in_features: int, group_size: int) -> s
     """None if the fragment kernel takes this layer, else why not."""
     if out_features % TILE_ROWS:
         return f"out_features {out_features} is not a multiple of {TILE_ROWS}"
-    if group_size not in (64, 128, 256):
-        return f"group size {group_size} is not 64, 128 or 256"
+    if group_size not in GROUP_SIZES:
+        return f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}"
     if in_features % group_size or in_features % 64:
         return f"in_features {in_features} is not a multiple of the group size and of 64"
     return None
@@ -318,6 +318,7 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
     """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
     tensor here has one element a thread: ``i = 32 * warp + lane``."""
     THREADS: tl.constexpr = TILES * WARPS_K * 32
+    PER: tl.constexpr = 8 if TWO else 4                  # accumulators a lane
     i = tl.arange(0, THREADS)
     lane = i % 32
     warp = i // 32
@@ -346,14 +347,13 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
         if TWO:
             tok2 = tl.minimum(g + 8, T - 1)
             xbase2 = (x_ptr + tok2.to(tl.int64) * K + col0).to(tl.int64)
-            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM_TEXT, CONSTRAINTS,
-                [wbase, rbase, xbase, xbase2, nvalid], dtype=(tl.float32,) * 8, is_pure=False,
-                pack=1)
+            acc = tl.inline_asm_elementwise(
+                ASM_TEXT, CONSTRAINTS, [wbase, rbase, xbase, xbase2, nvalid],
+                dtype=(tl.float32,) * PER, is_pure=False, pack=1)
         else:
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(
+            acc = tl.inline_asm_elementwise(
                 ASM_TEXT, CONSTRAINTS, [wbase, rbase, xbase, nvalid],
-                dtype=(tl.float32,) * 4, is_pure=False, pack=1)
+                dtype=(tl.float32,) * PER, is_pure=False, pack=1)
     else:
         pdl.begin(PDL)
         a0, a1 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
@@ -365,20 +365,17 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
                                     nvalid, T, K, G, 0, 8, CHUNK, SPG, BF16)
             a6, a7 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
                                     nvalid, T, K, G, 1, 8, CHUNK, SPG, BF16)
-    # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator j holds row
-    # g + 8 (j >= 2) and token 2c + (j & 1) (+ 8 for the second mma's).
+            acc = (a0, a1, a2, a3, a4, a5, a6, a7)
+        else:
+            acc = (a0, a1, a2, a3)
+    # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator m holds row
+    # g + 8 (m % 4 >= 2) and token 2c + (m & 1) (+ 8 for the second mma's, m >= 4).
     lane_t = tl.arange(0, 32)
     row_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None] * 16 + (lane_t // 4)[None, :]
     tok_t = 2 * (lane_t % 4)[None, :]
-    _store_acc(a0, row_t, tok_t, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-    _store_acc(a1, row_t, tok_t + 1, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-    _store_acc(a2, row_t + 8, tok_t, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-    _store_acc(a3, row_t + 8, tok_t + 1, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-    if TWO:
-        _store_acc(a4, row_t, tok_t + 8, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-        _store_acc(a5, row_t, tok_t + 9, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-        _store_acc(a6, row_t + 8, tok_t + 8, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
-        _store_acc(a7, row_t + 8, tok_t + 9, T, N, bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+    for m in tl.static_range(PER):
+        _store_acc(acc[m], row_t + 8 * ((m % 4) // 2), tok_t + m % 2 + 8 * (m // 4), T, N,
+                   bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
 
 
 @triton.jit
@@ -412,9 +409,9 @@ TWO_MMA_MAX_WEIGHTS = 4096 * 4096
 
 def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan | None:
     """The plan for a call of ``tokens`` on ``[n, k]``, or None where the fragment kernel is not
-    used (see above) or does not apply. ``warps_k``: the fewest warps a tile (4, 8
-    or 16) that keep a lane's share of the weight at most 96 steps (384 bytes; 48 with the second
-    mma's B fragments): measured best at K = 4096 (4 warps) and K = 11008 (8)."""
+    used (see above) or does not apply. ``warps_k``: the fewest warps a tile (4, 8 or 16) that
+    keep a lane's share of the weight at most 96 steps (384 bytes; 48 with the second mma's B
+    fragments): measured best at K = 4096 (4 warps) and K = 11008 (8)."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= MAX_TOKENS:
         return None
     two = tokens > ONE_MMA_TOKENS
@@ -449,16 +446,14 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
                        *, plan: FragmentPlan | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` for ``x [T, K]`` in the weight's dtype (fp16
-    or bf16), 1 <= T <= 16 (CUDA;
-    Triton's CPU interpreter runs the portable version). ``plan`` overrides `fragment_plan`
-    (which must not be None for this call)."""
+    or bf16), 1 <= T <= 16 (CUDA; Triton's CPU interpreter runs the portable version). ``plan``
+    overrides `fragment_plan` (which must not be None for this call)."""
     n, k = weight.out_features, weight.in_features
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
     if x2.dtype != weight.dtype or not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"Int4Gemm fragment kernel: x of 1..{MAX_TOKENS} tokens in the "
-                         f"weight's {weight.dtype}, got "
-                         f"{x2.dtype} x {tokens}")
+                         f"weight's {weight.dtype}, got {x2.dtype} x {tokens}")
     if x2.data_ptr() % 16:
         raise ValueError("Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
                          "are 16-byte loads); pass a fresh or .clone()d tensor")
@@ -481,6 +476,5 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
         x2, weight.words, weight.records, bias_arg, y, tokens, n, k, groups,
         TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two, BF16=bf16,
         HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, CONSTRAINTS=constraints,
-        num_warps=plan.tiles * plan.warps_k,
-        **launch)
+        num_warps=plan.tiles * plan.warps_k, **launch)
     return y.view(*x.shape[:-1], n)
