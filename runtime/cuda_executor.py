@@ -41,9 +41,9 @@ class CudaExecutor(TorchExecutor):
                  memory_fraction: float = 0.9, max_graph_batch: int | None = None, use_cuda_graphs: bool = True,
                  fuse_kernels: bool = True, int4_fragments: bool | None = None):
         self.fuse_kernels = fuse_kernels
-        # The fragment layout of the INT4 Linears (runtime/fusion.py): faster steps of 1..8
-        # tokens (most at 2..8) for about as much memory again as those Linears; TRTC_INT4_FRAGMENTS=0
-        # (or int4_fragments=False) keeps the weights as stored only.
+        # The INT4 Linears held in the fragment layout instead of the plugin's (runtime/fusion.py):
+        # faster decode steps (most at 2..8 tokens), prefill through a dequantized transient
+        # weight; TRTC_INT4_FRAGMENTS=0 (or int4_fragments=False) keeps the weights as stored.
         if int4_fragments is None:
             int4_fragments = os.environ.get("TRTC_INT4_FRAGMENTS", "1") != "0"
         self.int4_fragments = int4_fragments and fuse_kernels

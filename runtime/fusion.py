@@ -23,11 +23,11 @@ left as it is.
 One rewrite changes how a node's weights are held rather than which nodes run:
 
 * ``Int4Gemm`` with fp16 or bf16 constant weights becomes ``Int4GemmFragment``: the executor
-  adds the weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`) to
-  its constants, and calls of up to 8 tokens (16 on layers of at most 4096 x 4096: decode steps,
-  short prefills) run that kernel; other calls the plugin's kernels on the weights as stored,
-  which stay (the layout costs about as much memory again as the INT4 Linears,
-  `fragment_extra_bytes`).
+  holds the weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`)
+  instead of the plugin's (the same packed bytes reordered, records of 4 bytes a row and group
+  for 3 of scales and zeros: `fragment_extra_bytes`). Calls of 1..16 tokens (decode steps) run
+  that kernel; longer ones (prefill) dequantize the layer into a transient fp16 or bf16 weight
+  and multiply with cuBLAS (`fragment_matmul`).
 """
 from __future__ import annotations
 
@@ -85,17 +85,17 @@ def _gemm_swiglu(x, attrs):
 
 
 def _int4_gemm_fragment(x, attrs):
-    a, qweight, scales, zeros, bias, words, records = x
+    a, bias, words, records = x
     n, k, group = attrs["out_features"], attrs["in_features"], attrs["group_size"]
     from trtc.plugins.int4_gemm import fragment_kernel as fk
-    # The rewrite checked the device; x in the weight's dtype (its records are in it), 16-byte
-    # aligned for the kernel's loads (a step's activations are).
+    weight = fk.FragmentWeight(words, records, n, k, group)
+    # The rewrite checked the device; the kernel takes x in the weight's dtype (its records are
+    # in it), 16-byte aligned for its loads (a step's activations are), 1..16 tokens.
     plan = (fk.fragment_plan(a.numel() // k, n, k, group)
             if a.dtype == records.dtype and a.data_ptr() % 16 == 0 else None)
     if plan is None:
-        return _int4_gemm([a, qweight, scales, zeros, bias], attrs)
-    return [fk.int4_gemm_fragment(a, fk.FragmentWeight(words, records, n, k, group), bias,
-                                  plan=plan)]
+        return [fk.fragment_matmul(a, weight, bias)]
+    return [fk.int4_gemm_fragment(a, weight, bias, plan=plan)]
 
 
 OPS.update({ADD_RMS_NORM: _add_rms_norm, QKV_ROTARY_CACHE_WRITE: _qkv_rotary_cache_write,
@@ -216,11 +216,12 @@ def _fuse_gemm_swiglu(g: _Graph, replaced: dict[int, GraphNode | None]) -> int:
 
 def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants: dict) -> int:
     """Int4Gemm nodes whose fp16 or bf16 weights the fragment kernel takes, on a device that
-    runs it: their weights in its layout added to ``constants`` (once per weight), the node
-    rewritten to read both."""
+    runs it: their weights put in its layout (once per weight) and the node rewritten to read
+    that. A stored weight, scale or zero tensor leaves ``constants`` as soon as every node that
+    reads it reads the fragments instead, so the device holds one layout, and converting a
+    model needs one layer's worth of extra memory, not a model's."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
-    count = 0
-    packed: dict[tuple, tuple[str, str]] = {}
+    takes: dict[int, tuple] = {}
     for i, n in enumerate(g.nodes):
         if n.op != ("trtc", "Int4Gemm") or i in replaced:
             continue
@@ -231,29 +232,44 @@ def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants:
                 or not fk.device_supports(qweight.device)
                 or fk.fragment_supports(a["out_features"], a["in_features"], a["group_size"])):
             continue
-        key = (*n.inputs[1:4], a["group_size"])
+        takes[i] = (*n.inputs[1:4], a["group_size"])
+    packed: dict[tuple, tuple[str, str]] = {}
+    for i, key in takes.items():
+        n = g.nodes[i]
         if key not in packed:
             names = tuple(f"{n.inputs[1]}.fragment{len(packed)}_{part}"
                           for part in ("words", "records"))
-            fw = fk.fragment_pack(qweight, scales, zeros, a["group_size"])
+            fw = fk.fragment_pack(*(constants[name] for name in key[:3]), key[3])
             constants[names[0]], constants[names[1]] = fw.words, fw.records
             packed[key] = names
+            for name in key[:3]:
+                if all(takes.get(j) in packed for j in g.readers[name]):
+                    del constants[name]
         bias = n.inputs[4] if len(n.inputs) > 4 else ""
-        replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [*n.inputs[:4], bias, *packed[key]], n.outputs, a)
-        count += 1
-    return count
+        replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [n.inputs[0], bias, *packed[key]], n.outputs,
+                                n.attrs)
+    return len(takes)
+
+
+def _largest_linear(model: dict) -> int:
+    """Weights of the largest projection of a decoder layer (q/k/v fused, gate/up fused)."""
+    h, heads, kv, d, inter = (model[key] for key in ("hidden_size", "num_heads", "num_kv_heads",
+                                                     "head_dim", "intermediate_size"))
+    return max((heads + 2 * kv) * d * h, h * heads * d, 2 * inter * h, h * inter)
 
 
 def int4_fragment_bytes(manifest: dict) -> int:
     """What `_int4_fragments` may add to an artifact's device memory, from its manifest (before
-    loading it): an upper bound, every quantized Linear in the layout; 0 where the rewrite takes
-    none (no INT4, fp32 activations, a group size the kernel does not take)."""
+    loading it): the fragment layout's larger records, every quantized Linear taken, and the
+    transient fp16 weight of the largest projection that a prefill call dequantizes; 0 where
+    the rewrite takes none (no INT4, fp32 activations, a group size the kernel does not take)."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
     quant = manifest.get("quantization", {})
     if (quant.get("bits") != 4 or manifest.get("precision") not in ("fp16", "bf16")
             or quant.get("group_size") not in fk.GROUP_SIZES):
         return 0
-    return fk.fragment_extra_bytes(quant["linear_weight_bytes_quantized"], quant["group_size"])
+    return (fk.fragment_extra_bytes(quant["linear_weight_bytes_quantized"], quant["group_size"])
+            + 2 * _largest_linear(manifest["model"]))
 
 
 def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str],

@@ -3,7 +3,11 @@
 times (torch.profiler on an eager run of the step; a graph replays the same kernels).
 
     python -m trtc.runtime.profile ARTIFACT [--batch 1,64] [--context 256] [--unfused]
-        [--no-int4-fragments] [--ab] [--json FILE]
+        [--no-int4-fragments] [--prefill 512] [--ab] [--json FILE]
+
+It also prints the weight bytes the executor holds on the device (after its load-time
+rewrites) and, with ``--prefill N``, the time of one eager prefill step of ``N`` tokens (one
+sequence, nothing cached).
 
 ``--ab`` re-captures the graphs with programmatic dependent launch and the Triton GEMV each
 turned off and on (`trtc.plugins.pdl`, `runtime/triton_gemv.py`) and times every combination in
@@ -52,6 +56,23 @@ def decode_step(executor, batch: int, context: int) -> dict[str, torch.Tensor]:
     return make_step(work, bs)
 
 
+def prefill_ms(executor, tokens: int) -> float:
+    """Median time of one prefill step of ``tokens`` new tokens of one sequence (eager)."""
+    bs = executor.block_size
+    blocks = -(-tokens // bs)
+    if blocks > executor.num_blocks:
+        raise SystemExit(f"the KV pool ({executor.num_blocks} blocks) is too small for a "
+                         f"{tokens}-token prefill")
+    step = make_step([SequenceWork([1 + t % 1000 for t in range(tokens)], 0, list(range(blocks)))], bs)
+    return _median_ms(lambda: executor.execute(step), reps=10)
+
+
+def device_constant_bytes(executor) -> int:
+    """Bytes of the constants (weights and the tables made from them) on the device."""
+    return sum(t.numel() * t.element_size() for t in executor.constants.values()
+               if t.device.type == "cuda")
+
+
 def kernel_table(executor, step: dict[str, torch.Tensor]) -> tuple[list[tuple[str, int, float]], float]:
     """``[(kernel, launches, total device us)]`` of one eager step, most expensive first."""
     from torch.profiler import ProfilerActivity, profile
@@ -82,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep Int4Gemm on the plugin-layout kernels (no fragment-layout weights)")
     p.add_argument("--ab", action="store_true",
                    help="also time the graphs without PDL and/or with cuBLAS for the few-token projections")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="also time one eager prefill step of this many tokens")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -98,7 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     kv_per_token = manifest["kv_cache"]["bytes_per_token"]
     print(f"{manifest['name']}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
           f"{weight_bytes / 1e9:.2f} GB, fusions {ex.fusions or 'none'}")
-    report = {"copy_bandwidth": bw, "fusions": ex.fusions, "steps": []}
+    held = device_constant_bytes(ex)
+    print(f"weights held on the device: {held / 1e9:.3f} GB (the artifact's: "
+          f"{wb['total'] / 1e9:.3f} GB)")
+    report = {"copy_bandwidth": bw, "fusions": ex.fusions, "device_constant_bytes": held,
+              "steps": []}
+    if args.prefill:
+        report["prefill"] = {"tokens": args.prefill, "ms": prefill_ms(ex, args.prefill)}
+        print(f"prefill of {args.prefill} tokens: {report['prefill']['ms']:.2f} ms")
     for batch in batches:
         step = decode_step(ex, batch, args.context)
         graph, inputs, logits = ex.graphs[next(b for b in sorted(ex.graphs) if b >= batch)]

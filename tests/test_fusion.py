@@ -62,10 +62,23 @@ def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
     assert fused.fusions["int4_fragment"] == 6
     added = {n for n in fused.constants if ".fragment" in n}
     assert len(added) == 12 and not added & set(plain.constants)
+    # The stored layout of the 6 taken Linears is gone (weights, scales, zeros), down's stays;
+    # the device holds about the same bytes (records: 4 bytes a row and group for 3).
+    dropped = set(plain.constants) - set(fused.constants)
+    assert len(dropped) == 18 and all(plain.constants[n].dtype != torch.float32 for n in dropped)
+
+    def nbytes(ex, names):
+        return sum(ex.constants[n].numel() * ex.constants[n].element_size() for n in names)
+    # words: the packed bytes; records: 4 bytes a row and group where scales and zeros take 3
+    assert nbytes(fused, {n for n in added if n.endswith("words")}) == nbytes(
+        plain, {n for n in dropped if n.endswith("qweight")})
+    assert 3 * nbytes(fused, {n for n in added if n.endswith("records")}) == 4 * nbytes(
+        plain, {n for n in dropped if not n.endswith("qweight")})
     ops = [n[0] for n in fused.nodes]
     from trtc.runtime.fusion import _int4_gemm_fragment
     assert ops.count(_int4_gemm_fragment) == 6
-    # A prefill of 57 tokens (the plugin's kernels), then decode steps of 2 (the fragment kernel).
+    # A prefill of 57 tokens (dequantized weights and a matmul), then decode steps of 2 (the
+    # fragment kernel).
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
     steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]

@@ -63,9 +63,15 @@ def test_fragment_plan_follows_the_measurements():
     assert plan(1, 4096, 4096, 128).warps_k == 4
     assert plan(8, 11008, 4096, 128).warps_k == 4
     assert plan(1, 4096, 11008, 128).warps_k == 8
-    assert plan(16, 4096, 4096, 128).warps_k == 8          # two mma's: a lane's share halved
-    assert plan(16, 11008, 4096, 128) is None               # the split kernel is faster there
-    assert plan(17, 64, 256, 128) is None
+    assert plan(1, 4096, 16384, 128).warps_k == 16          # 128 groups: 8 a warp, 64 steps
+    # two mma's: a lane's share at most 48 steps, except on layers of many tiles; 8 warps at most
+    assert plan(16, 4096, 4096, 128).warps_k == 8
+    assert plan(16, 11008, 4096, 128).warps_k == 4
+    assert plan(9, 4096, 11008, 128).warps_k == 8
+    assert plan(16, 2560, 2048, 128).warps_k == 4
+    assert plan(16, 2048, 5632, 128).warps_k == 8
+    assert plan(16, 4096, 16384, 128).warps_k == 8
+    assert plan(17, 64, 256, 128) is None                   # prefill: fragment_matmul
 
 
 def run(tokens, n, k, group, bias, plan=None, seed=0, dtype=torch.float16):
@@ -98,23 +104,67 @@ def test_fragment_kernel_matches_reference_in_bf16():
     assert run(3, 32, 256, 64, True, dtype=torch.bfloat16) < 1e-2
 
 
+def matmul_error(tokens, n, k, group, bias, seed=0, dtype=torch.float16):
+    """`fragment_matmul` (the layer dequantized from the fragment layout, then a matmul)
+    against the fp64 product of the reference's weight; the dequantized weight itself must be
+    the reference's rounded once to ``dtype``."""
+    qweight, scales, zeros, b = make_layer(n, k, group, dtype, bias, seed)
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+    w = dequantize(qweight, scales, zeros, group)
+    got_w = fragment_kernel.fragment_dequantize(fw)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        # Triton's CPU interpreter truncates fp32 to bf16 (the GPU rounds to nearest): one ulp
+        torch.testing.assert_close(got_w, w.to(dtype), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got_w, w.to(dtype))
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    x = torch.randn(2, tokens // 2, k, generator=g, device=DEVICE).to(dtype)
+    got = fragment_kernel.fragment_matmul(x, fw, b)
+    assert got.shape == (2, tokens // 2, n) and got.dtype == dtype
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    return float((got.double() - exact).norm() / exact.norm())
+
+
+# Several tiles and blocks, a last program with blocks past K (K = 640: 10 blocks, 8 a
+# program), groups of 64, 128 and 256, fp16 and bf16.
+@pytest.mark.parametrize("tokens, n, k, group, bias, dtype", [
+    (20, 48, 640, 128, True, torch.float16), (34, 32, 512, 64, False, torch.float16),
+    (18, 16, 1024, 256, True, torch.bfloat16)])
+def test_fragment_matmul_matches_reference(tokens, n, k, group, bias, dtype):
+    # fp16 weights: the operand rounded once (as the plugin-layout dot kernel's); bf16: 8 bits
+    assert matmul_error(tokens, n, k, group, bias, dtype=dtype) < (
+        1e-3 if dtype == torch.float16 else 1e-2)
+
+
+def test_fragment_dequantize_checks_out():
+    qweight, scales, zeros, _ = make_layer(16, 256, 128, torch.float16, False, 0)
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
+    with pytest.raises(ValueError, match=r"contiguous torch.float16 \[16, 256\]"):
+        fragment_kernel.fragment_dequantize(fw, out=torch.empty(256, 16, dtype=torch.float16,
+                                                                 device=DEVICE).T)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008), (2560, 2048)])
 @pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 16])
 def test_fragment_kernel_on_gpu(n, k, tokens):
-    if fragment_kernel.fragment_plan(tokens, n, k, 128) is None:
-        plan = fragment_kernel.FragmentPlan(tiles=1, warps_k=8)     # still correct where slower
-    else:
-        plan = None
-    assert run(tokens, n, k, 128, bias=tokens % 2 == 1, plan=plan) < 1e-3
+    assert run(tokens, n, k, 128, bias=tokens % 2 == 1) < 1e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008)])
 @pytest.mark.parametrize("tokens", [1, 5, 8, 16])
 def test_fragment_kernel_on_gpu_in_bf16(n, k, tokens):
-    plan = fragment_kernel.fragment_plan(tokens, n, k, 128) or fragment_kernel.FragmentPlan(1, 8)
-    assert run(tokens, n, k, 128, bias=True, plan=plan, dtype=torch.bfloat16) < 1e-2
+    assert run(tokens, n, k, 128, bias=True, dtype=torch.bfloat16) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (11008, 4096, 64),
+                                         (4096, 11008, 128), (2560, 2048, 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fragment_matmul_on_gpu(n, k, group, dtype):
+    assert matmul_error(256, n, k, group, bias=True, dtype=dtype) < (
+        1e-3 if dtype == torch.float16 else 1e-2)
 
 
 @pytest.mark.gpu
@@ -249,9 +299,33 @@ def test_fragment_rewrite_takes_each_weight_once():
     attrs = {"group_size": 128, "in_features": 256, "out_features": 32}
     nodes = [GraphNode(("trtc", "Int4Gemm"), ["x", f"{w}.q", f"{w}.s", f"{w}.z"], [f"y{i}"], attrs)
              for i, w in enumerate("aabc")]
-    fused, counts = fuse(nodes, constants, {"y0", "y1", "y2", "y3"})
-    assert counts["int4_fragment"] == 3
-    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [True, True, False, True]
-    assert fused[0].inputs[5:] == fused[1].inputs[5:] != fused[3].inputs[5:]
-    assert fused[0].inputs[4] == ""                                   # no bias
-    assert sum(".fragment" in name for name in constants) == 4
+    # a fourth weight whose scales another node also reads: its stored layout must stay
+    qweight, scales, zeros, _ = make_layer(32, 256, 128, torch.float16, False, 1, device="cpu")
+    constants.update({"d.q": qweight, "d.s": scales, "d.z": zeros})
+    nodes.append(GraphNode(("trtc", "Int4Gemm"), ["x", "d.q", "d.s", "d.z", "bias"], ["y4"], attrs))
+    nodes.append(GraphNode(("", "Identity"), ["d.s"], ["y5"], {}))
+    fused, counts = fuse(nodes, constants, {f"y{i}" for i in range(6)})
+    assert counts["int4_fragment"] == 4
+    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [True, True, False, True, True, False]
+    assert fused[0].inputs[2:] == fused[1].inputs[2:] != fused[3].inputs[2:]
+    assert fused[0].inputs[:2] == ["x", ""] and fused[4].inputs[:2] == ["x", "bias"]
+    assert sum(".fragment" in name for name in constants) == 6
+    # the stored layout of the taken weights is gone, except what another node reads
+    assert not {"a.q", "a.s", "a.z", "c.q", "c.s", "c.z", "d.q", "d.z"} & set(constants)
+    assert {"b.q", "b.s", "b.z", "d.s"} <= set(constants)
+
+
+def test_fragment_memory_estimate():
+    """What the executor reserves before loading (runtime/fusion.py `int4_fragment_bytes`): the
+    records' extra byte a row and group, plus the largest projection's transient fp16 weight
+    for prefill (the 1.1B geometry: gate/up, 11264 x 2048)."""
+    from trtc.runtime.fusion import int4_fragment_bytes
+    n_k_g = 100_000_000                                     # N K / g summed over the Linears
+    manifest = {"precision": "fp16",
+                "quantization": {"bits": 4, "group_size": 128,
+                                 "linear_weight_bytes_quantized": n_k_g * 64 + 3 * n_k_g},
+                "model": {"hidden_size": 2048, "num_heads": 32, "num_kv_heads": 4,
+                          "head_dim": 64, "intermediate_size": 5632}}
+    assert int4_fragment_bytes(manifest) == pytest.approx(n_k_g + 2 * 11264 * 2048, abs=2)
+    assert int4_fragment_bytes({**manifest, "precision": "fp32"}) == 0
+    assert int4_fragment_bytes({**manifest, "quantization": {"method": "none"}}) == 0

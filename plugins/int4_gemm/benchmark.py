@@ -191,11 +191,10 @@ def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: b
 
 
 def fragment_variants(tokens: int, n: int, k: int) -> list:
-    """The fragment kernel's plan (`fragment.fragment_plan`: what the CUDA executor runs; where
-    it is None, 8 warps a tile, timed to show the loss), the other warp counts, two tiles a
-    program and evict-first words: those whose lanes hold at most 96 steps (48 with two mma's)."""
-    chosen = fragment.fragment_plan(tokens, n, k, GROUP)
-    base = chosen or fragment.FragmentPlan(1, 8)
+    """The fragment kernel's plan (`fragment.fragment_plan`: what the CUDA executor runs), the
+    other warp counts, two tiles a program and evict-first words: those whose lanes hold at
+    most 96 steps (48 with two mma's)."""
+    base = fragment.fragment_plan(tokens, n, k, GROUP)
     limit = 48 if tokens > fragment.ONE_MMA_TOKENS else 96
     plans = [base] + [fragment.FragmentPlan(1, w) for w in (4, 8, 16)]
     plans += [fragment.FragmentPlan(2, base.warps_k),
@@ -281,14 +280,18 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
                                split_plan=chosen == kernels.split_plan(tokens, n, k, GROUP, sms))
             if row is not None and plan is None:
                 default_calls = calls
-        if decode and not fragment.fragment_supports(n, k, GROUP):
+        if not fragment.fragment_supports(n, k, GROUP):
             if fsets is None:
                 fsets = [fragment.fragment_pack(*s, GROUP) for s in sets]
             chosen = fragment.fragment_plan(tokens, n, k, GROUP)
-            for plan in fragment_variants(tokens, n, k):
+            for plan in fragment_variants(tokens, n, k) if decode else []:
                 calls = [lambda f=f, p=plan: fragment.int4_gemm_fragment(x, f, plan=p) for f in fsets]
                 time_variant(*timing, fragment_name(plan), calls[0], calls, want, fp16_us, bw, 4,
                              plan=plan.__dict__, fragment=True, chosen=plan == chosen)
+            if not decode:      # what the executor runs for prefill on the fragment layout
+                calls = [lambda f=f: fragment.fragment_matmul(x, f) for f in fsets]
+                time_variant(*timing, "fragment: dequantize + cuBLAS", calls[0], calls, want,
+                             fp16_us, bw, 4, fragment=True, chosen=True)
         # The default plan once more, last: the spread between its two times is the noise.
         if default_calls is not None:
             rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
@@ -382,6 +385,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
     parser.add_argument("--decode-only", action="store_true", help="no prefill shapes")
+    parser.add_argument("--prefill-only", action="store_true", help="no decode shapes")
     parser.add_argument("--no-split-variants", action="store_true",
                         help="time the split-K kernel's decode plan (with and without the prefetch "
                              "and evict-first loads) only, not its alternatives")
@@ -400,9 +404,11 @@ def main() -> int:
           f"{results['sms']} SMs)")
     rows, failures = [], []
     results["bf16_checks"] = check_bf16(failures)
-    jobs = [(tokens, n, k) for tokens in ([DECODE_TOKENS] if args.decode_only
-                                          else [DECODE_TOKENS, PREFILL_TOKENS])
-            for n, k in SHAPES]
+    if args.decode_only and args.prefill_only:
+        parser.error("--decode-only and --prefill-only leave nothing to time")
+    token_sets = ([] if args.prefill_only else [DECODE_TOKENS]) + ([] if args.decode_only
+                                                                  else [PREFILL_TOKENS])
+    jobs = [(tokens, n, k) for tokens in token_sets for n, k in SHAPES]
     end = start + args.budget
     for i, (token_counts, n, k) in enumerate(jobs):
         deadline = time.monotonic() + (end - time.monotonic()) / (len(jobs) - i)

@@ -1,6 +1,9 @@
 """`trtc::Int4Gemm` for decode steps of 1..16 tokens on the matrix units, from registers: the
 "fragment" kernel. Semantics are the reference's (`reference.py`); the weight is read in a
-layout made for it at load time (`fragment_pack`), not the plugin's ``[N, K/2]`` bytes.
+layout made for it at load time (`fragment_pack`), not the plugin's ``[N, K/2]`` bytes. The
+CUDA executor holds that layout instead of the plugin's (runtime/fusion.py), so calls of more
+than 16 tokens read it too: `fragment_matmul` dequantizes the layer (`fragment_dequantize`)
+and multiplies with cuBLAS.
 
 Why another kernel: the weights-first rows kernel (`triton_kernels._int4_rows`) multiplies in
 CUDA cores, about one instruction per weight and token, so it only wins at one or two tokens; the
@@ -398,38 +401,45 @@ class FragmentPlan:
     evict_first: bool = False
 
 
-# Where the fragment kernel is used (docs/gpu-kernels.md): up to 8 tokens (one mma a step) on
-# every shape: 1.3-1.85x the plugin-layout kernels at 2..8 tokens, 3-5% faster at one on the
-# Llama-7B shapes (on the 1.1B model's smaller layers 6% more kernel time at one token, the
-# same step time); 9..16 (two mma's) only on layers of at most 4096 x 4096, where a lane's
-# weight leaves room for the second B fragment (1.24x there, 0.84-0.89x on the larger ones).
+# The fragment kernel serves every call of 1..16 tokens (docs/gpu-kernels.md): up to 8 tokens
+# one mma a step, 1.3-1.85x the plugin-layout kernels at 2..8 tokens and 3-5% faster at one on
+# the Llama-7B shapes; 9..16 two mma's a step, 1.24x on [4096, 4096] and 0.98x / 0.84x the split
+# kernel on [11008, 4096] / [4096, 11008] (the plugin's layout is no longer held to run that).
+# Longer calls (prefill) dequantize the layer and multiply with cuBLAS (`fragment_matmul`).
 ONE_MMA_TOKENS = 8
-TWO_MMA_MAX_WEIGHTS = 4096 * 4096
+MAX_WARPS_K = 32        # 1024 threads: a program's limit
+# Two mma's a step: at most 8 warps a tile (at 512 threads a program a lane gets 128 registers,
+# fewer than its words, accumulators and two B fragments need), and a lane's share at most 48
+# steps unless the layer has many tiles (more than 512: the programs fill the SMs anyway).
+# Measured best of 4 / 8 / 16 warps at 12 and 16 tokens on 7 shapes (docs/gpu-kernels.md).
+TWO_MMA_MAX_WARPS_K = 8
+TWO_MMA_MANY_TILES = 512
 
 
 def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan | None:
-    """The plan for a call of ``tokens`` on ``[n, k]``, or None where the fragment kernel is not
-    used (see above) or does not apply. ``warps_k``: the fewest warps a tile (4, 8 or 16) that
-    keep a lane's share of the weight at most 96 steps (384 bytes; 48 with the second mma's B
-    fragments): measured best at K = 4096 (4 warps) and K = 11008 (8)."""
+    """The plan for a call of ``tokens`` on ``[n, k]``, or None where the fragment kernel does
+    not apply (`fragment_supports`, more than 16 tokens). ``warps_k``: the fewest warps a tile
+    (4, 8, 16 or 32) that keep a lane's share of the weight at most 96 steps (384 bytes), with
+    two mma's see above; measured best at K = 4096 (4 warps) and K = 11008 (8) at one mma."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= MAX_TOKENS:
         return None
     two = tokens > ONE_MMA_TOKENS
-    if two and n * k > TWO_MMA_MAX_WEIGHTS:
-        return None
     steps, groups = k // STEP_COLS, k // group_size
+    limit = 48 if two and n // TILE_ROWS <= TWO_MMA_MANY_TILES else 96
+    most = TWO_MMA_MAX_WARPS_K if two else MAX_WARPS_K
     warps_k = 4
-    while warps_k < 16 and -(-groups // warps_k) * (steps // groups) > (48 if two else 96):
+    while warps_k < most and -(-groups // warps_k) * (steps // groups) > limit:
         warps_k *= 2
     return FragmentPlan(tiles=1, warps_k=warps_k)
 
 
 def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
-    """Device bytes the fragment layout adds to an INT4 artifact whose quantized Linears hold
-    ``quantized_linear_bytes`` (packed weights, 2-byte scales and zeros: ``N K (1/2 + 3/g)``):
-    words ``N K / 2`` and records ``4 N K / g``, when every Linear takes the layout."""
+    """Device bytes an INT4 artifact whose quantized Linears hold ``quantized_linear_bytes``
+    (packed weights, 2-byte scales and 1-byte zeros: ``N K (1/2 + 3/g)``) gains when every
+    Linear is held in the fragment layout instead: its records take 4 bytes a row and group
+    where scales and zeros took 3 (the words are the packed bytes, reordered)."""
     g = group_size
-    return int(quantized_linear_bytes * (0.5 + 4 / g) / (0.5 + 3 / g)) + 1
+    return int(quantized_linear_bytes * (1 / g) / (0.5 + 3 / g)) + 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -478,3 +488,73 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
         HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, CONSTRAINTS=constraints,
         num_warps=plan.tiles * plan.warps_k, **launch)
     return y.view(*x.shape[:-1], n)
+
+
+# --- calls of more than 16 tokens: the layer dequantized, then cuBLAS -------------------------
+
+@triton.jit
+def _dequantize_fragments(words_ptr, records_ptr, w_ptr, K, G, GROUP: tl.constexpr,
+                          BLOCKS: tl.constexpr, BF16: tl.constexpr):
+    """``W [N, K] = (q - z) * s`` (fp32, rounded once to the records' dtype) from the fragment
+    layout: a program writes one 16-row tile's ``BLOCKS`` blocks of 64 columns. One element a
+    word (``BLOCKS * 128`` contiguous words): word ``16 g + cu`` of block ``b`` (``cu = 4 c +
+    u``: lane ``4 g + c``'s step ``u``) holds rows ``g`` (nibbles ``m`` even) and ``g + 8`` (odd)
+    at columns ``64 b + 4 cu + kk``, ``kk = 2 kh + kl`` being nibble ``m = hb + 2 kh + 4 kl``
+    (module docstring); each row half is stored as ``[words, 4]`` (8 contiguous bytes a word).
+    Measured on the H200 (docs/gpu-kernels.md) against a 5-d ``[hb, g, b, cu, kk]`` version
+    and one that gathers a word per weight: 14 / 33 us against 119 / 300 and 21 / 52 on
+    [4096, 4096] / [11008, 4096]."""
+    r = tl.program_id(0).to(tl.int64)
+    blocks = K // 64
+    word_i = tl.arange(0, BLOCKS * 128)
+    b = tl.program_id(1) * BLOCKS + word_i // 128
+    g = (word_i // 16) % 8
+    col = 64 * b + 4 * (word_i % 16)
+    ok = b < blocks
+    word = tl.load(words_ptr + (r * blocks + tl.program_id(1) * BLOCKS) * 128 + word_i, mask=ok,
+                   other=0)
+    kk = tl.arange(0, 4)
+    # The record of (tile, group, g): -(magic + z) of rows g and g + 8, then their scales.
+    rec = records_ptr + ((r * G + (b * 64) // GROUP) * 8 + g) * 4
+    for hb in tl.static_range(2):
+        q = (word[:, None] >> (4 * hb + 16 * (kk % 2) + 8 * (kk // 2))[None, :]) & 0xF
+        minus_z = (tl.load(rec + hb, mask=ok, other=0.0).to(tl.float32)
+                   + (128.0 if BF16 else (64.0 if hb else 1024.0)))
+        scale = tl.load(rec + 2 + hb, mask=ok, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) + minus_z[:, None]) * scale[:, None]
+        row = 16 * r + 8 * hb + g
+        tl.store(w_ptr + (row * K + col)[:, None] + kk[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+
+
+DEQUANT_BLOCKS = 8      # 64-column blocks a program: 16 x 512 weights
+
+
+def fragment_dequantize(weight: FragmentWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's weight ``[N, K]`` in its dtype, from the fragment layout (CUDA; Triton's CPU
+    interpreter too). ``out``: a contiguous ``[N, K]`` tensor of that dtype to write into."""
+    n, k = weight.out_features, weight.in_features
+    w = out if out is not None else torch.empty((n, k), dtype=weight.dtype,
+                                                device=weight.words.device)
+    if tuple(w.shape) != (n, k) or w.dtype != weight.dtype or not w.is_contiguous():
+        raise ValueError(f"Int4Gemm fragment dequantize: out must be a contiguous {weight.dtype} "
+                         f"[{n}, {k}], got {w.dtype} {list(w.shape)}")
+    grid = (n // TILE_ROWS, -(-(k // 64) // DEQUANT_BLOCKS))
+    _dequantize_fragments[grid](weight.words, weight.records, w, k, weight.groups,
+                                GROUP=weight.group_size, BLOCKS=DEQUANT_BLOCKS,
+                                BF16=weight.dtype == torch.bfloat16, num_warps=4)
+    return w
+
+
+def fragment_matmul(x: torch.Tensor, weight: FragmentWeight,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ dequantize(W).T + bias`` for any number of tokens, in x's dtype: the layer
+    dequantized into a transient ``[N, K]`` (the largest Linear's fp16 bytes at most: the
+    executor's activation margin holds it) and multiplied by cuBLAS. What calls of more than
+    16 tokens run (prefill: compute-bound, where the matrix library beats the plugin-layout
+    kernel's in-loop dequantization, docs/gpu-kernels.md)."""
+    k = weight.in_features
+    w = fragment_dequantize(weight)
+    x2 = x.reshape(-1, k)
+    y = torch.nn.functional.linear(x2.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
+    return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
