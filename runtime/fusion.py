@@ -25,9 +25,9 @@ One rewrite changes how a node's weights are held rather than which nodes run:
 * ``Int4Gemm`` with fp16 or bf16 constant weights becomes ``Int4GemmFragment``: the executor
   holds the weight in the fragment kernel's layout (`plugins/int4_gemm/fragment_kernel.py`)
   instead of the plugin's (the same packed bytes reordered, records of 4 bytes a row and group
-  for 3 of scales and zeros: `fragment_extra_bytes`). Calls of 1..16 tokens (decode steps) run
-  that kernel; longer ones (prefill) dequantize the layer into a transient fp16 or bf16 weight
-  and multiply with cuBLAS (`fragment_matmul`).
+  for 3 of scales and zeros: `fragment_extra_bytes`). Calls of 1..32 tokens (decode steps) run
+  that kernel (in launches of up to 16); longer ones (prefill, larger decode batches) dequantize
+  the layer into a transient fp16 or bf16 weight and multiply with cuBLAS (`fragment_matmul`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from collections import Counter
 
 import torch
 
-from trtc.runtime.torch_ops import OPS, GraphNode, _gemm, _int4_gemm, _rms_norm, _swiglu
+from trtc.runtime.torch_ops import OPS, GraphNode, _gemm, _rms_norm, _swiglu
 
 RUNTIME_DOMAIN = "trtc.runtime"      # ops that exist only inside an executor, never in an artifact
 ADD_RMS_NORM = (RUNTIME_DOMAIN, "AddRMSNorm")
@@ -90,12 +90,11 @@ def _int4_gemm_fragment(x, attrs):
     from trtc.plugins.int4_gemm import fragment_kernel as fk
     weight = fk.FragmentWeight(words, records, n, k, group)
     # The rewrite checked the device; the kernel takes x in the weight's dtype (its records are
-    # in it), 16-byte aligned for its loads (a step's activations are), 1..16 tokens.
-    plan = (fk.fragment_plan(a.numel() // k, n, k, group)
-            if a.dtype == records.dtype and a.data_ptr() % 16 == 0 else None)
-    if plan is None:
-        return [fk.fragment_matmul(a, weight, bias)]
-    return [fk.int4_gemm_fragment(a, weight, bias, plan=plan)]
+    # in it), 16-byte aligned for its loads (a step's activations are), 1..32 tokens.
+    if (a.dtype == records.dtype and a.data_ptr() % 16 == 0
+            and fk.fragment_launches(a.numel() // k, n, k, group) is not None):
+        return [fk.int4_gemm_fragment(a, weight, bias)]
+    return [fk.fragment_matmul(a, weight, bias)]
 
 
 OPS.update({ADD_RMS_NORM: _add_rms_norm, QKV_ROTARY_CACHE_WRITE: _qkv_rotary_cache_write,
@@ -243,7 +242,8 @@ def _int4_fragments(g: _Graph, replaced: dict[int, GraphNode | None], constants:
             constants[names[0]], constants[names[1]] = fw.words, fw.records
             packed[key] = names
             for name in key[:3]:
-                if all(takes.get(j) in packed for j in g.readers[name]):
+                if name not in g.graph_outputs and all(takes.get(j) in packed
+                                                       for j in g.readers[name]):
                     del constants[name]
         bias = n.inputs[4] if len(n.inputs) > 4 else ""
         replaced[i] = GraphNode(INT4_GEMM_FRAGMENT, [n.inputs[0], bias, *packed[key]], n.outputs,
@@ -275,7 +275,8 @@ def int4_fragment_bytes(manifest: dict) -> int:
 def fuse(nodes: list[GraphNode], constants: dict, graph_outputs: set[str],
          int4_fragments: bool = True) -> tuple[list[GraphNode], Counter]:
     """The node list with the patterns above fused, and how many of each were fused.
-    ``int4_fragments``: the Int4Gemm layout rewrite (it adds to ``constants``)."""
+    ``int4_fragments``: the Int4Gemm layout rewrite (it adds the fragment layout to
+    ``constants`` and removes the stored tensors it replaces)."""
     # Axes and split sizes are small integer constants, kept on the host (torch_executor._to_torch).
     axis_values = {k: [int(x) for x in v.reshape(-1).tolist()] for k, v in constants.items()
                    if v.dtype.is_floating_point is False and v.numel() <= 8 and v.device.type == "cpu"}

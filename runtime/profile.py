@@ -58,6 +58,11 @@ def decode_step(executor, batch: int, context: int) -> dict[str, torch.Tensor]:
 
 def prefill_ms(executor, tokens: int) -> float:
     """Median time of one prefill step of ``tokens`` new tokens of one sequence (eager)."""
+    limits = executor.manifest["limits"]
+    most = min(limits["max_seq_len"], limits["max_num_tokens"])
+    if tokens > most:
+        raise SystemExit(f"--prefill {tokens}: the artifact takes at most {most} tokens a step "
+                         f"(limits.max_seq_len / max_num_tokens)")
     bs = executor.block_size
     blocks = -(-tokens // bs)
     if blocks > executor.num_blocks:

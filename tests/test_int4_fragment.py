@@ -63,15 +63,24 @@ def test_fragment_plan_follows_the_measurements():
     assert plan(1, 4096, 4096, 128).warps_k == 4
     assert plan(8, 11008, 4096, 128).warps_k == 4
     assert plan(1, 4096, 11008, 128).warps_k == 8
-    assert plan(1, 4096, 16384, 128).warps_k == 16          # 128 groups: 8 a warp, 64 steps
-    # two mma's: a lane's share at most 48 steps, except on layers of many tiles; 8 warps at most
+    assert plan(1, 4096, 12288, 128).warps_k == 8          # 96 steps a lane: the most
+    # two mma's: a lane's share at most 48 steps, except on layers of many tiles
     assert plan(16, 4096, 4096, 128).warps_k == 8
     assert plan(16, 11008, 4096, 128).warps_k == 4
     assert plan(9, 4096, 11008, 128).warps_k == 8
     assert plan(16, 2560, 2048, 128).warps_k == 4
     assert plan(16, 2048, 5632, 128).warps_k == 8
-    assert plan(16, 4096, 16384, 128).warps_k == 8
-    assert plan(17, 64, 256, 128) is None                   # prefill: fragment_matmul
+    assert plan(17, 64, 256, 128) is None
+    # calls of up to 32 tokens: launches of 16; above, none (prefill: fragment_matmul)
+    launches = fragment_kernel.fragment_launches
+    assert [(a, b) for a, b, _ in launches(27, 4096, 4096, 128)] == [(0, 16), (16, 27)]
+    assert launches(27, 4096, 4096, 128)[1][2] == plan(11, 4096, 4096, 128)
+    assert launches(33, 4096, 4096, 128) is None
+    # rows whose share a lane's registers cannot hold at 8 warps (13B's and 70B's down
+    # projections) stay on the plugin's layout
+    for k in (13824, 28672):
+        assert "too long" in fragment_kernel.fragment_supports(8192, k, 128)
+        assert plan(1, 8192, k, 128) is None and launches(1, 8192, k, 128) is None
 
 
 def run(tokens, n, k, group, bias, plan=None, seed=0, dtype=torch.float16):
@@ -97,6 +106,22 @@ def run(tokens, n, k, group, bias, plan=None, seed=0, dtype=torch.float16):
 ])
 def test_fragment_kernel_matches_reference(tokens, n, k, group, bias, plan):
     assert run(tokens, n, k, group, bias, plan) < 1e-3
+
+
+def test_fragment_kernel_in_launches_matches_reference():
+    # 27 tokens: a two-mma launch of 16 and one of 11 (plan=None: fragment_launches)
+    assert run(27, 32, 256, 128, True) < 1e-3
+
+
+def test_fragment_matmul_takes_x_in_another_dtype():
+    """x in fp32 against fp16 weights: multiplied in fp32, y in fp32 (the plugin's contract)."""
+    qweight, scales, zeros, b = make_layer(32, 256, 128, torch.float16, True, 0)
+    fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
+    x = torch.randn(3, 256, device=DEVICE)[:, ::1]
+    got = fragment_kernel.fragment_matmul(x.t().contiguous().t(), fw, b)     # non-contiguous x
+    want = x.double() @ dequantize(qweight, scales, zeros, 128).double().T + b.double()
+    assert got.dtype == torch.float32
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
 
 
 def test_fragment_kernel_matches_reference_in_bf16():
@@ -139,14 +164,14 @@ def test_fragment_matmul_matches_reference(tokens, n, k, group, bias, dtype):
 def test_fragment_dequantize_checks_out():
     qweight, scales, zeros, _ = make_layer(16, 256, 128, torch.float16, False, 0)
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
-    with pytest.raises(ValueError, match=r"contiguous torch.float16 \[16, 256\]"):
+    with pytest.raises(ValueError, match=r"contiguous torch.float16 or torch.float32 \[16, 256\]"):
         fragment_kernel.fragment_dequantize(fw, out=torch.empty(256, 16, dtype=torch.float16,
                                                                  device=DEVICE).T)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (4096, 11008), (2560, 2048)])
-@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 8, 9, 16, 27, 32])
 def test_fragment_kernel_on_gpu(n, k, tokens):
     assert run(tokens, n, k, 128, bias=tokens % 2 == 1) < 1e-3
 
@@ -176,15 +201,17 @@ def test_fragment_kernel_plans_on_gpu(plan):
     assert run(1, 112, 1408, 64, bias=False, plan=plan) < 1e-3
 
 
-LAYOUT_PROBE = r'''
-import re, sys
+COMPILE_FOR_SM90 = r'''
+import re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from trtc.plugins.int4_gemm import fragment_kernel as fk
-for tokens, n, k, bf16 in [(1, 4096, 4096, False), (16, 4096, 4096, False),
-                          (2, 4096, 11008, False), (9, 4096, 4096, True)]:
+
+
+def compile_for_sm90(tokens, n, k, bf16):
+    """The kernel as the executor launches it for this call, compiled for sm_90: (plan, asm)."""
     plan = fk.fragment_plan(tokens, n, k, 128)
-    warps = plan.tiles * plan.warps_k
     chunk = -(-(k // 128) // plan.warps_k)
     text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False, bf16)
     consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
@@ -196,33 +223,71 @@ for tokens, n, k, bf16 in [(1, 4096, 4096, False), (16, 4096, 4096, False),
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
     src = triton.compiler.ASTSource(fn=fk._int4_fragment, signature=sig, constexprs=consts,
                                     attrs=attrs)
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps}).asm["ttgir"]
+    return plan, triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": plan.tiles * plan.warps_k}).asm
+'''
+
+LAYOUT_PROBE = COMPILE_FOR_SM90 + r'''
+for tokens, n, k, bf16 in [(1, 4096, 4096, False), (16, 4096, 4096, False),
+                          (2, 4096, 11008, False), (9, 4096, 4096, True)]:
+    plan, asm = compile_for_sm90(tokens, n, k, bf16)
+    ttgir = asm["ttgir"]
     aliases = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, re.M))
     for line in ttgir.splitlines():
         if "tt.elementwise_inline_asm" in line:
             layout = re.search(r"-> tensor<\d+xf32, (#\w+)>", line).group(1)
-            print(tokens, n, k, warps, aliases[layout])
+            print(tokens, n, k, plan.tiles * plan.warps_k, aliases[layout])
+'''
+
+SPILL_PROBE = COMPILE_FOR_SM90 + r'''
+# the longest rows the layout takes (LANE_STEPS a lane at MAX_WARPS_K warps: K = 12288 at
+# group 128), one and two mma's, both dtypes
+longest = fk.LANE_STEPS * fk.MAX_WARPS_K * fk.STEP_COLS
+assert fk.fragment_supports(4096, longest, 128) is None
+for tokens, n, k, bf16 in [(1, 4096, longest, False), (16, 4096, longest, False),
+                           (8, 4096, longest, True), (16, 11008, 4096, True)]:
+    plan, asm = compile_for_sm90(tokens, n, k, bf16)
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/k.ptx", "w").write(asm["ptx"])
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
+                                 f"{d}/k.cubin"], capture_output=True, text=True, check=True).stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    print(tokens, k, plan.warps_k, re.search(r"Used (\d+) registers", report).group(1),
+          " ".join(a + "/" + b for a, b in spills))
 '''
 
 
-def test_fragment_asm_sees_one_element_per_thread_in_order():
-    """The kernel's one assumption about Triton (module docstring): the inline asm's operands
-    have element i in lane i % 32 of warp i // 32. Compiled for sm_90 on this machine (Triton
-    ships ptxas: the PTX must also assemble), outside the interpreter."""
+def run_probe(probe: str) -> list[str]:
+    """A probe's output lines, run outside Triton's interpreter (Triton ships ptxas: the PTX
+    must also assemble)."""
     import os
     import subprocess
     import sys
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    out = subprocess.run([sys.executable, "-c", LAYOUT_PROBE], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert len(lines) == 4, out.stdout
+    return out.stdout.splitlines()
+
+
+def test_fragment_asm_sees_one_element_per_thread_in_order():
+    """The kernel's one assumption about Triton (module docstring): the inline asm's operands
+    have element i in lane i % 32 of warp i // 32. Compiled for sm_90 on this machine."""
+    lines = run_probe(LAYOUT_PROBE)
+    assert len(lines) == 4, lines
     for line in lines:
         warps = line.split()[3]
         assert line.endswith(f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], "
                              f"warpsPerCTA = [{warps}], order = [0]}}>"), line
+
+
+def test_fragment_kernel_holds_a_lanes_share_in_registers():
+    """`fragment_supports`' row-length limit: the longest rows the layout takes compile for
+    sm_90 without spills (ptxas -v)."""
+    lines = run_probe(SPILL_PROBE)
+    assert len(lines) == 4, lines
+    for line in lines:
+        assert line.split()[4:] == ["0/0"], line               # spill stores / loads, bytes
 
 
 def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch.float16):
@@ -304,14 +369,19 @@ def test_fragment_rewrite_takes_each_weight_once():
     constants.update({"d.q": qweight, "d.s": scales, "d.z": zeros})
     nodes.append(GraphNode(("trtc", "Int4Gemm"), ["x", "d.q", "d.s", "d.z", "bias"], ["y4"], attrs))
     nodes.append(GraphNode(("", "Identity"), ["d.s"], ["y5"], {}))
-    fused, counts = fuse(nodes, constants, {f"y{i}" for i in range(6)})
-    assert counts["int4_fragment"] == 4
-    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [True, True, False, True, True, False]
+    # a fifth weight sharing c's zeros (another key): c.z must outlive the first packing
+    qweight, _, _, _ = make_layer(32, 256, 128, torch.bfloat16, False, 2, device="cpu")
+    constants["e.q"] = qweight
+    nodes.append(GraphNode(("trtc", "Int4Gemm"), ["x", "e.q", "c.s", "c.z"], ["y6"], attrs))
+    fused, counts = fuse(nodes, constants, {f"y{i}" for i in range(7)})
+    assert counts["int4_fragment"] == 5
+    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [True, True, False, True, True, False,
+                                                           True]
     assert fused[0].inputs[2:] == fused[1].inputs[2:] != fused[3].inputs[2:]
     assert fused[0].inputs[:2] == ["x", ""] and fused[4].inputs[:2] == ["x", "bias"]
-    assert sum(".fragment" in name for name in constants) == 6
+    assert sum(".fragment" in name for name in constants) == 8
     # the stored layout of the taken weights is gone, except what another node reads
-    assert not {"a.q", "a.s", "a.z", "c.q", "c.s", "c.z", "d.q", "d.z"} & set(constants)
+    assert not {"a.q", "a.s", "a.z", "c.q", "c.s", "c.z", "d.q", "d.z", "e.q"} & set(constants)
     assert {"b.q", "b.s", "b.z", "d.s"} <= set(constants)
 
 

@@ -193,15 +193,17 @@ def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: b
 def fragment_variants(tokens: int, n: int, k: int) -> list:
     """The fragment kernel's plan (`fragment.fragment_plan`: what the CUDA executor runs), the
     other warp counts, two tiles a program and evict-first words: those whose lanes hold at
-    most 96 steps (48 with two mma's)."""
+    most `fragment.LANE_STEPS` steps; none where the kernel takes no launch of this many tokens."""
     base = fragment.fragment_plan(tokens, n, k, GROUP)
-    limit = 48 if tokens > fragment.ONE_MMA_TOKENS else 96
+    if base is None:
+        return []
+    limit = fragment.LANE_STEPS
     plans = [base] + [fragment.FragmentPlan(1, w) for w in (4, 8, 16)]
     plans += [fragment.FragmentPlan(2, base.warps_k),
               fragment.FragmentPlan(base.tiles, base.warps_k, evict_first=True)]
     unique = []
     for plan in plans:
-        steps = -(-(k // GROUP) // plan.warps_k) * (GROUP // fragment.STEP_COLS)
+        steps = fragment.lane_steps(k, GROUP, plan.warps_k)
         if plan not in unique and (steps <= limit or plan == base):
             unique.append(plan)
     return unique

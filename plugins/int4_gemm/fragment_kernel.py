@@ -110,7 +110,28 @@ def fragment_supports(out_features: int, in_features: int, group_size: int) -> s
         return f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}"
     if in_features % group_size or in_features % 64:
         return f"in_features {in_features} is not a multiple of the group size and of 64"
+    steps = lane_steps(in_features, group_size, MAX_WARPS_K)
+    if steps > LANE_STEPS:
+        return (f"in_features {in_features} is too long: a lane would hold {steps} steps of a "
+                f"tile's weight at {MAX_WARPS_K} warps a tile (at most {LANE_STEPS} fit in its "
+                f"registers)")
     return None
+
+
+# A lane holds its whole share of a tile's weight in registers, one 32-bit word a 16-column
+# step: at most 96 steps, and at most 8 warps share a tile. ptxas for sm_90 (a test checks
+# it): 96 steps at 8 warps take 174-186 registers with one or two mma's and spill nothing; at
+# 16 warps (512 threads a program) a lane gets 128 registers and spills 24-112 bytes at 64-96
+# steps. Longer rows (K > 12288 at group 128) stay on the plugin's layout and kernels.
+LANE_STEPS = 96
+MAX_WARPS_K = 8
+
+
+def lane_steps(in_features: int, group_size: int, warps_k: int) -> int:
+    """16-column steps of a tile's weight one lane holds with ``warps_k`` warps a tile (whole
+    groups a warp)."""
+    groups = in_features // group_size
+    return -(-groups // warps_k) * (group_size // STEP_COLS)
 
 
 def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -401,36 +422,45 @@ class FragmentPlan:
     evict_first: bool = False
 
 
-# The fragment kernel serves every call of 1..16 tokens (docs/gpu-kernels.md): up to 8 tokens
-# one mma a step, 1.3-1.85x the plugin-layout kernels at 2..8 tokens and 3-5% faster at one on
-# the Llama-7B shapes; 9..16 two mma's a step, 1.24x on [4096, 4096] and 0.98x / 0.84x the split
-# kernel on [11008, 4096] / [4096, 11008] (the plugin's layout is no longer held to run that).
-# Longer calls (prefill) dequantize the layer and multiply with cuBLAS (`fragment_matmul`).
+# The fragment kernel serves decode calls (docs/gpu-kernels.md): up to 8 tokens one mma a step,
+# 1.3-1.85x the plugin-layout kernels at 2..8 tokens and 3-5% faster at one on the Llama-7B
+# shapes; 9..16 two mma's a step, 1.24x on [4096, 4096] and 0.99x / 0.85x the split kernel on
+# [11008, 4096] / [4096, 11008]; 17..32 in launches of at most 16 (1.0-2.3x dequantize + cuBLAS
+# there on the 7B and 1.1B shapes, except [2048, 2048] at 32: 0.84x). Longer calls dequantize
+# the layer and multiply with cuBLAS (`fragment_matmul`).
 ONE_MMA_TOKENS = 8
-MAX_WARPS_K = 32        # 1024 threads: a program's limit
-# Two mma's a step: at most 8 warps a tile (at 512 threads a program a lane gets 128 registers,
-# fewer than its words, accumulators and two B fragments need), and a lane's share at most 48
-# steps unless the layer has many tiles (more than 512: the programs fill the SMs anyway).
-# Measured best of 4 / 8 / 16 warps at 12 and 16 tokens on 7 shapes (docs/gpu-kernels.md).
-TWO_MMA_MAX_WARPS_K = 8
+LAUNCHES_MAX_TOKENS = 32
+# Two mma's a step: a lane's share at most 48 steps unless the layer has many tiles (more than
+# 512: the programs fill the SMs anyway). Measured best of 4 / 8 / 16 warps at 12 and 16 tokens
+# on 7 shapes (docs/gpu-kernels.md).
 TWO_MMA_MANY_TILES = 512
 
 
 def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan | None:
-    """The plan for a call of ``tokens`` on ``[n, k]``, or None where the fragment kernel does
-    not apply (`fragment_supports`, more than 16 tokens). ``warps_k``: the fewest warps a tile
-    (4, 8, 16 or 32) that keep a lane's share of the weight at most 96 steps (384 bytes), with
-    two mma's see above; measured best at K = 4096 (4 warps) and K = 11008 (8) at one mma."""
+    """The plan for one launch of ``tokens`` on ``[n, k]``, or None where the fragment kernel
+    does not apply (`fragment_supports`, more than 16 tokens). ``warps_k``: the fewest warps a
+    tile (4 or 8) that keep a lane's share of the weight at most 96 steps (384 bytes), with two
+    mma's see above; measured best at K = 4096 (4 warps) and K = 11008 (8) at one mma."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= MAX_TOKENS:
         return None
     two = tokens > ONE_MMA_TOKENS
-    steps, groups = k // STEP_COLS, k // group_size
-    limit = 48 if two and n // TILE_ROWS <= TWO_MMA_MANY_TILES else 96
-    most = TWO_MMA_MAX_WARPS_K if two else MAX_WARPS_K
+    limit = 48 if two and n // TILE_ROWS <= TWO_MMA_MANY_TILES else LANE_STEPS
     warps_k = 4
-    while warps_k < most and -(-groups // warps_k) * (steps // groups) > limit:
+    while warps_k < MAX_WARPS_K and lane_steps(k, group_size, warps_k) > limit:
         warps_k *= 2
     return FragmentPlan(tiles=1, warps_k=warps_k)
+
+
+def fragment_launches(tokens: int, n: int, k: int,
+                      group_size: int) -> list[tuple[int, int, FragmentPlan]] | None:
+    """The kernel launches of a call of ``tokens``, ``(first token, end, plan)`` each: launches
+    of up to 16 tokens, for calls of at most 32; None where the call should go to
+    `fragment_matmul` (or the layer is not taken)."""
+    if fragment_supports(n, k, group_size) or not 1 <= tokens <= LAUNCHES_MAX_TOKENS:
+        return None
+    return [(a, min(tokens, a + MAX_TOKENS), fragment_plan(min(tokens, a + MAX_TOKENS) - a, n, k,
+                                                           group_size))
+            for a in range(0, tokens, MAX_TOKENS)]
 
 
 def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
@@ -456,28 +486,39 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
                        *, plan: FragmentPlan | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` for ``x [T, K]`` in the weight's dtype (fp16
-    or bf16), 1 <= T <= 16 (CUDA; Triton's CPU interpreter runs the portable version). ``plan``
-    overrides `fragment_plan` (which must not be None for this call)."""
+    or bf16), 1 <= T <= 32 in the launches `fragment_launches` gives (CUDA; Triton's CPU
+    interpreter runs the portable version). ``plan`` (1..16 tokens) makes it one launch of that
+    plan instead."""
     n, k = weight.out_features, weight.in_features
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
-    if x2.dtype != weight.dtype or not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"Int4Gemm fragment kernel: x of 1..{MAX_TOKENS} tokens in the "
+    most = MAX_TOKENS if plan else LAUNCHES_MAX_TOKENS
+    if x2.dtype != weight.dtype or not 1 <= tokens <= most:
+        raise ValueError(f"Int4Gemm fragment kernel: x of 1..{most} tokens in the "
                          f"weight's {weight.dtype}, got {x2.dtype} x {tokens}")
     if x2.data_ptr() % 16:
         raise ValueError("Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
                          "are 16-byte loads); pass a fresh or .clone()d tensor")
-    plan = plan or fragment_plan(tokens, n, k, weight.group_size)
-    if plan is None:
+    launches = [(0, tokens, plan)] if plan else fragment_launches(tokens, n, k, weight.group_size)
+    if launches is None:
         raise ValueError(f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
-                         f"(fragment_plan); call the plugin-layout kernels")
+                         f"(fragment_launches); call fragment_matmul")
     y = out if out is not None else torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    for first, end, p in launches:       # a launch's x rows stay 16-byte aligned: K % 64 == 0
+        _launch(x2[first:end], weight, bias, p, y[first:end])
+    return y.view(*x.shape[:-1], n)
+
+
+def _launch(x2: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None,
+            plan: FragmentPlan, y: torch.Tensor) -> None:
+    n, k = weight.out_features, weight.in_features
+    tokens = x2.shape[0]
     spg = weight.group_size // STEP_COLS
     groups = weight.groups
     chunk = -(-groups // plan.warps_k)
     two = tokens > ONE_MMA_TOKENS
     asm = not _interpreting()
-    launch = pdl.launch_options(x.device)
+    launch = pdl.launch_options(x2.device)
     bf16 = weight.dtype == torch.bfloat16
     text, constraints = (_asm_text(chunk, spg, two, launch["PDL"], plan.evict_first, bf16)
                          if asm else ("", ""))
@@ -487,10 +528,9 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
         TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two, BF16=bf16,
         HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, CONSTRAINTS=constraints,
         num_warps=plan.tiles * plan.warps_k, **launch)
-    return y.view(*x.shape[:-1], n)
 
 
-# --- calls of more than 16 tokens: the layer dequantized, then cuBLAS -------------------------
+# --- calls of more than 32 tokens: the layer dequantized, then cuBLAS -------------------------
 
 @triton.jit
 def _dequantize_fragments(words_ptr, records_ptr, w_ptr, K, G, GROUP: tl.constexpr,
@@ -530,15 +570,18 @@ def _dequantize_fragments(words_ptr, records_ptr, w_ptr, K, G, GROUP: tl.constex
 DEQUANT_BLOCKS = 8      # 64-column blocks a program: 16 x 512 weights
 
 
-def fragment_dequantize(weight: FragmentWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The layer's weight ``[N, K]`` in its dtype, from the fragment layout (CUDA; Triton's CPU
-    interpreter too). ``out``: a contiguous ``[N, K]`` tensor of that dtype to write into."""
+def fragment_dequantize(weight: FragmentWeight, out: torch.Tensor | None = None,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The layer's weight ``[N, K]`` from the fragment layout, in ``dtype``: the weight's (the
+    default) or fp32 (exact) (CUDA; Triton's CPU interpreter too). ``out``: a contiguous ``[N,
+    K]`` tensor of that dtype to write into."""
     n, k = weight.out_features, weight.in_features
-    w = out if out is not None else torch.empty((n, k), dtype=weight.dtype,
-                                                device=weight.words.device)
-    if tuple(w.shape) != (n, k) or w.dtype != weight.dtype or not w.is_contiguous():
+    dtype = dtype or (out.dtype if out is not None else weight.dtype)
+    w = out if out is not None else torch.empty((n, k), dtype=dtype, device=weight.words.device)
+    if (tuple(w.shape) != (n, k) or w.dtype != dtype or dtype not in (weight.dtype, torch.float32)
+            or not w.is_contiguous()):
         raise ValueError(f"Int4Gemm fragment dequantize: out must be a contiguous {weight.dtype} "
-                         f"[{n}, {k}], got {w.dtype} {list(w.shape)}")
+                         f"or torch.float32 [{n}, {k}], got {w.dtype} {list(w.shape)}")
     grid = (n // TILE_ROWS, -(-(k // 64) // DEQUANT_BLOCKS))
     _dequantize_fragments[grid](weight.words, weight.records, w, k, weight.groups,
                                 GROUP=weight.group_size, BLOCKS=DEQUANT_BLOCKS,
@@ -549,12 +592,13 @@ def fragment_dequantize(weight: FragmentWeight, out: torch.Tensor | None = None)
 def fragment_matmul(x: torch.Tensor, weight: FragmentWeight,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ dequantize(W).T + bias`` for any number of tokens, in x's dtype: the layer
-    dequantized into a transient ``[N, K]`` (the largest Linear's fp16 bytes at most: the
-    executor's activation margin holds it) and multiplied by cuBLAS. What calls of more than
-    16 tokens run (prefill: compute-bound, where the matrix library beats the plugin-layout
-    kernel's in-loop dequantization, docs/gpu-kernels.md)."""
+    dequantized into a transient ``[N, K]`` (the largest projection's fp16 bytes at most,
+    reserved by the executor, `runtime.fusion.int4_fragment_bytes`) and multiplied by cuBLAS
+    in the weight's dtype, or in fp32 where x has another dtype. What calls of more than 32
+    tokens run (prefill; docs/gpu-kernels.md: 1.3-2.0x the plugin-layout kernel's in-loop
+    dequantization at 256-1024 tokens)."""
     k = weight.in_features
-    w = fragment_dequantize(weight)
     x2 = x.reshape(-1, k)
+    w = fragment_dequantize(weight, dtype=None if x2.dtype == weight.dtype else torch.float32)
     y = torch.nn.functional.linear(x2.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
