@@ -53,10 +53,8 @@ def _read_only(w_ptr, next_ptr, out_ptr, CHUNK: tl.constexpr, PDL: tl.constexpr,
         addr = (next_ptr + pid.to(tl.int64) * CHUNK + piece * (CHUNK // PIECES)).to(tl.int64, bitcast=True)
         tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [addr, tl.full([PIECES], CHUNK // PIECES * 4, tl.int32)],
                                   dtype=tl.int32, is_pure=False, pack=1)
-    if EVICT_FIRST:     # streamed once: ask L2 not to keep it
-        words = tl.load(w_ptr + offs, eviction_policy="evict_first")
-    else:
-        words = tl.load(w_ptr + offs)
+    # evict-first: streamed once, so L2 need not keep it
+    words = tl.load(w_ptr + offs, eviction_policy="evict_first" if EVICT_FIRST else "")
     pdl.begin(PDL)
     tl.store(out_ptr + pid, tl.reduce(words, 0, _xor))
 
@@ -69,6 +67,15 @@ def _read_only_tma(desc, out_ptr, ROWS: tl.constexpr, PDL: tl.constexpr):
     words = desc.load([pid * ROWS, 0])
     pdl.begin(PDL)
     tl.store(out_ptr + pid, tl.reduce(tl.reduce(words, 1, _xor), 0, _xor))
+
+
+def xor_of_chunks(words: torch.Tensor, chunk: int) -> torch.Tensor:
+    """What `_read_only` stores for each program: the XOR of its ``chunk`` words."""
+    rows = words.view(-1, chunk)
+    acc = rows[:, 0].clone()
+    for j in range(1, chunk):
+        acc ^= rows[:, j]
+    return acc
 
 
 def read_calls(sets, out, chunk: int, warps: int, use_pdl: bool, evict_first: bool = False,
@@ -108,11 +115,8 @@ def main() -> int:
         _read_only[(sets[0].numel() // CHUNKS[0],)](sets[0], sets[0], out, CHUNK=CHUNKS[0], num_warps=4,
                                                      PDL=False, EVICT_FIRST=False,
                                                      PREFETCH_NEXT=False, PIECES=128)
-        want = sets[0].view(-1, CHUNKS[0])
-        acc = want[:, 0].clone()
-        for j in range(1, CHUNKS[0]):
-            acc ^= want[:, j]
-        assert torch.equal(out[:acc.numel()], acc), "read-only kernel XOR mismatch"
+        want = xor_of_chunks(sets[0], CHUNKS[0])
+        assert torch.equal(out[:want.numel()], want), "read-only kernel XOR mismatch"
         variants = [(f"read {chunk * 4 // 1024} KB/program w{warps}" + (" pdl" if p else ""),
                      read_calls(sets, out, chunk, warps, p))
                     for chunk in CHUNKS for warps in WARPS for p in (True, False)]

@@ -88,13 +88,8 @@ def _int4_gemm_fragment(x, attrs):
     a, bias, words, records = x
     n, k, group = attrs["out_features"], attrs["in_features"], attrs["group_size"]
     from trtc.plugins.int4_gemm import fragment_kernel as fk
-    weight = fk.FragmentWeight(words, records, n, k, group)
-    # The rewrite checked the device; the kernel takes x in the weight's dtype (its records are
-    # in it), 16-byte aligned for its loads (a step's activations are), 1..32 tokens.
-    if (a.dtype == records.dtype and a.data_ptr() % 16 == 0
-            and fk.fragment_launches(a.numel() // k, n, k, group) is not None):
-        return [fk.int4_gemm_fragment(a, weight, bias)]
-    return [fk.fragment_matmul(a, weight, bias)]
+    # The rewrite checked the device.
+    return [fk.fragment_gemm(a, fk.FragmentWeight(words, records, n, k, group), bias)]
 
 
 OPS.update({ADD_RMS_NORM: _add_rms_norm, QKV_ROTARY_CACHE_WRITE: _qkv_rotary_cache_write,

@@ -2,7 +2,7 @@
 torch's fp16 matmul of the same shape and the device's measured copy bandwidth. Runs from the
 repository root (trtc importable):
 
-    python3 plugins/int4_gemm/benchmark.py [--out int4.json] [--decode-only]
+    python3 plugins/int4_gemm/benchmark.py [--out int4.json] [--decode-only | --prefill-only]
         [--no-split-variants] [--budget SECONDS]
 
 Shapes ``[N, K]``: the Llama-7B projections [4096, 4096] (q/k/v/o), [11008, 4096] (up/gate) and
@@ -285,11 +285,11 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts,
         if not fragment.fragment_supports(n, k, GROUP):
             if fsets is None:
                 fsets = [fragment.fragment_pack(*s, GROUP) for s in sets]
-            chosen = fragment.fragment_plan(tokens, n, k, GROUP)
             for plan in fragment_variants(tokens, n, k) if decode else []:
                 calls = [lambda f=f, p=plan: fragment.int4_gemm_fragment(x, f, plan=p) for f in fsets]
                 time_variant(*timing, fragment_name(plan), calls[0], calls, want, fp16_us, bw, 4,
-                             plan=plan.__dict__, fragment=True, chosen=plan == chosen)
+                             plan=plan.__dict__, fragment=True,
+                             chosen=plan == fragment.fragment_plan(tokens, n, k, GROUP))
             if not decode:      # what the executor runs for prefill on the fragment layout
                 calls = [lambda f=f: fragment.fragment_matmul(x, f) for f in fsets]
                 time_variant(*timing, "fragment: dequantize + cuBLAS", calls[0], calls, want,

@@ -108,8 +108,8 @@ def fragment_supports(out_features: int, in_features: int, group_size: int) -> s
         return f"out_features {out_features} is not a multiple of {TILE_ROWS}"
     if group_size not in GROUP_SIZES:
         return f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}"
-    if in_features % group_size or in_features % 64:
-        return f"in_features {in_features} is not a multiple of the group size and of 64"
+    if in_features % group_size:            # the group sizes are multiples of 64
+        return f"in_features {in_features} is not a multiple of the group size {group_size}"
     steps = lane_steps(in_features, group_size, MAX_WARPS_K)
     if steps > LANE_STEPS:
         return (f"in_features {in_features} is too long: a lane would hold {steps} steps of a "
@@ -451,16 +451,17 @@ def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan 
     return FragmentPlan(tiles=1, warps_k=warps_k)
 
 
+@functools.lru_cache(maxsize=None)
 def fragment_launches(tokens: int, n: int, k: int,
-                      group_size: int) -> list[tuple[int, int, FragmentPlan]] | None:
+                      group_size: int) -> tuple[tuple[int, int, FragmentPlan], ...] | None:
     """The kernel launches of a call of ``tokens``, ``(first token, end, plan)`` each: launches
     of up to 16 tokens, for calls of at most 32; None where the call should go to
-    `fragment_matmul` (or the layer is not taken)."""
+    `fragment_matmul` (or the layer is not taken). Cached: eager steps ask for every layer."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= LAUNCHES_MAX_TOKENS:
         return None
-    return [(a, min(tokens, a + MAX_TOKENS), fragment_plan(min(tokens, a + MAX_TOKENS) - a, n, k,
-                                                           group_size))
-            for a in range(0, tokens, MAX_TOKENS)]
+    return tuple((a, min(tokens, a + MAX_TOKENS),
+                  fragment_plan(min(tokens, a + MAX_TOKENS) - a, n, k, group_size))
+                 for a in range(0, tokens, MAX_TOKENS))
 
 
 def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
@@ -499,7 +500,7 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
     if x2.data_ptr() % 16:
         raise ValueError("Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
                          "are 16-byte loads); pass a fresh or .clone()d tensor")
-    launches = [(0, tokens, plan)] if plan else fragment_launches(tokens, n, k, weight.group_size)
+    launches = ((0, tokens, plan),) if plan else fragment_launches(tokens, n, k, weight.group_size)
     if launches is None:
         raise ValueError(f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
                          f"(fragment_launches); call fragment_matmul")
@@ -602,3 +603,16 @@ def fragment_matmul(x: torch.Tensor, weight: FragmentWeight,
     w = fragment_dequantize(weight, dtype=None if x2.dtype == weight.dtype else torch.float32)
     y = torch.nn.functional.linear(x2.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+
+
+def fragment_gemm(x: torch.Tensor, weight: FragmentWeight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An Int4Gemm on the fragment layout, as the CUDA executor runs it: the kernel's launches
+    (`fragment_launches`: 1..32 tokens) where x is in the weight's dtype and 16-byte aligned
+    (a step's activations are), else `fragment_matmul`."""
+    tokens = x.numel() // weight.in_features
+    if (x.dtype == weight.dtype and x.data_ptr() % 16 == 0
+            and fragment_launches(tokens, weight.out_features, weight.in_features,
+                                  weight.group_size) is not None):
+        return int4_gemm_fragment(x, weight, bias)
+    return fragment_matmul(x, weight, bias)
