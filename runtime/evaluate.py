@@ -13,16 +13,26 @@ from trtc.runtime.step import SequenceWork, make_step
 
 
 def perplexity(artifact: str | Path, text: str, window: int = 512, max_windows: int | None = None,
-               executor: str = "auto") -> dict:
+               executor: str = "auto", bos: bool = True) -> dict:
     """Non-overlapping windows of ``window`` tokens, each a fresh sequence run as one prefill
-    whose every position returns logits (the contract's ``logits_indices`` may name any rows)."""
+    whose every position returns logits (the contract's ``logits_indices`` may name any rows).
+
+    ``bos``: each window is preceded by the tokenizer's BOS token as context that is not scored
+    (the lm-evaluation-harness convention), so every window opens the way a served prompt does.
+    Without it a window's first text token is also the model's attention sink, and a text that
+    opens with an unusual token can wreck a whole window: SmolLM2 scores the torch README's
+    first 512 tokens, which open with ``!`` (``![PyTorch Logo](...)``), at perplexity 242 without
+    it and 7.0 with it, and that one window then outweighs every other (docs/quantization.md).
+    A tokenizer without a BOS token gets no prefix."""
     from transformers import AutoTokenizer
     manifest = read_manifest(artifact)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(artifact) / "tokenizer"))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    window = min(window, manifest["limits"]["max_num_tokens"], manifest["limits"]["max_seq_len"])
+    prefix = [tokenizer.bos_token_id] if bos and tokenizer.bos_token_id is not None else []
+    limit = min(manifest["limits"]["max_num_tokens"], manifest["limits"]["max_seq_len"])
+    window = min(window, limit - len(prefix))
     block_size = manifest["kv_cache"]["block_size"]
-    blocks = -(-window // block_size)
+    blocks = -(-(window + len(prefix)) // block_size)
     run = create_executor(executor, artifact, blocks + 1)
     starts = list(range(0, len(ids) - 1, window))[:max_windows]
     if not starts or len(ids) < 2:
@@ -30,10 +40,13 @@ def perplexity(artifact: str | Path, text: str, window: int = 512, max_windows: 
     nll, count = 0.0, 0
     for start in starts:
         chunk = ids[start:start + window + 1]
-        inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
+        inputs, targets = prefix + chunk[:-1], torch.tensor(chunk[1:])
         step = make_step([SequenceWork(inputs, 0, list(range(blocks)))], block_size)
-        step["logits_indices"] = torch.arange(len(inputs), dtype=torch.int64)
+        # Rows of the text's positions only: the prefix predicts the text's first token, which
+        # no window without a prefix scores either.
+        step["logits_indices"] = torch.arange(len(prefix), len(inputs), dtype=torch.int64)
         logits = run.execute(step).float().cpu()
         nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
         count += len(targets)
-    return {"perplexity": math.exp(nll / count), "tokens": count, "windows": len(starts), "window": window}
+    return {"perplexity": math.exp(nll / count), "tokens": count, "windows": len(starts),
+            "window": window, "bos": bool(prefix)}

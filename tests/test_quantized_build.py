@@ -5,6 +5,7 @@ weights (dequantized into its Linear layers for INT4; the FP8 reference layers f
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -130,6 +131,25 @@ def test_eval_command_reports_perplexity(quantized_artifacts, tmp_path):
     assert r.returncode == 0, r.stderr
     ppl = float(r.stdout.split()[1])
     assert 1.0 < ppl < 1e6
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_perplexity_is_transformers_perplexity_of_the_same_windows(quantized_artifacts, bos):
+    from trtc.runtime.evaluate import perplexity
+    text = "Rounding errors of a weight cost the most where its input is large. " * 6
+    r = perplexity(quantized_artifacts["gptq"], text, window=48, bos=bos, executor="torch")
+    hf, tok = reference_model("gptq"), byte_tokenizer()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    prefix = [tok.bos_token_id] if bos else []
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, 48):
+        chunk = ids[start:start + 49]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prefix + chunk[:-1]])).logits[0, len(prefix):]
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum"))
+        count += len(chunk) - 1
+    assert r["tokens"] == count and r["bos"] is bos
+    assert abs(r["perplexity"] - math.exp(nll / count)) < 1e-4 * r["perplexity"]
 
 
 @pytest.mark.parametrize("extra,expect", [

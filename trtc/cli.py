@@ -176,19 +176,23 @@ def evaluate(
     text: Path = typer.Option(..., "--text", help="text file to measure perplexity on"),
     window: int = typer.Option(512, help="tokens per evaluation window"),
     max_windows: Optional[int] = typer.Option(None, help="evaluate only the first N windows"),
+    bos: bool = typer.Option(True, help="open each window with the tokenizer's BOS token (not scored), "
+                                        "as a served prompt opens; --no-bos scores the bare text"),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
 ):
     """Perplexity of an artifact on a text file, computed on the compiled graph by the runtime's
-    executor: compare a quantized artifact with its unquantized source."""
+    executor: compare a quantized artifact with its unquantized source. The text is cut into
+    windows scored as fresh sequences."""
     from trtc.compiler.errors import TrtcError
     from trtc.runtime.evaluate import perplexity
     if not text.is_file():
         raise typer.BadParameter(f"{text} does not exist", param_hint="--text")
     try:
-        r = perplexity(artifact, text.read_text(), window, max_windows, executor.value)
+        r = perplexity(artifact, text.read_text(), window, max_windows, executor.value, bos)
     except (TrtcError, ValueError) as e:
         _fail(e)
-    print(f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows of {r['window']})")
+    opening = ", each opened by BOS" if r["bos"] else ""
+    print(f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows of {r['window']}{opening})")
 
 
 def _range(text: str, name: str) -> tuple[int, int]:

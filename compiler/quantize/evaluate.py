@@ -11,7 +11,7 @@ reference's topics), both installed with the environment (no download):
   description): Markdown with badges, links, tables and shell commands, another domain.
 
     python -m trtc.compiler.quantize.evaluate [--work DIR] [--methods fp16,rtn,awq,gptq,fp8,kv-fp8]
-        [--texts stdlib-docs,torch-readme] [--window 512] [--max-windows N]
+        [--texts stdlib-docs,torch-readme] [--window 512] [--max-windows N] [--no-bos]
 
 The RTN row is the AWQ config with ``quantization.method: rtn`` (same group size, no
 calibration); the kv-fp8 row is the fp16 config with ``kv_cache.dtype: fp8``. Artifacts already in ``--work`` that were built from the same config are reused.
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--texts", default=",".join(HELDOUT), help="held-out texts: " + ", ".join(HELDOUT))
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--no-bos", dest="bos", action="store_false",
+                   help="score windows without the BOS token before them (the tables before 2026-12-04)")
     args = p.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -114,16 +116,17 @@ def main(argv: list[str] | None = None) -> None:
         row = {"method": method, "group_size": q.get("group_size"), "build_s": build_s,
                "linear_bytes_ratio": (q["linear_weight_bytes_quantized"] / q["linear_weight_bytes_fp16"]
                                       if "linear_weight_bytes_fp16" in q else 1.0),
-               "perplexity": {}, "tokens": {}}
+               "bos": args.bos, "perplexity": {}, "tokens": {}}
         for name, text in texts.items():
-            r = perplexity(art, text, args.window, args.max_windows)
+            r = perplexity(art, text, args.window, args.max_windows, bos=args.bos)
             row["perplexity"][name], row["tokens"][name] = r["perplexity"], r["tokens"]
             print(f"{method:5s} {name}: perplexity {r['perplexity']:8.3f} over {r['tokens']} tokens", flush=True)
         rows.append(row)
     base = next((r["perplexity"] for r in rows if r["method"] == "fp16"), None)
     print()
     for name in texts:
-        print(f"held-out {name}: {describe(name)}, {rows[0]['tokens'][name]} tokens, window {args.window}")
+        print(f"held-out {name}: {describe(name)}, {rows[0]['tokens'][name]} tokens, window {args.window}"
+              + (", each opened by BOS" if args.bos else ", no BOS"))
     print("| artifact | group | " + " | ".join(f"{n} perplexity | vs fp16" for n in texts)
           + " | Linear weight bytes vs fp16 | build (s) |")
     print("| --- | ---: | " + " | ".join("---: | ---:" for _ in texts) + " | ---: | ---: |")
