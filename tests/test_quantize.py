@@ -228,6 +228,28 @@ def test_awq_model_logits_closer_than_rtn(tok):
     assert logits_mse("awq") < logits_mse("rtn")
 
 
+def test_awq_search_sample_takes_every_position_in_proportion():
+    """64 windows of 64 tokens streamed in batches of 8 windows, 512 rows sampled: a stride (8)
+    would take every window's first token (the attention sink) as 1 row in 8; the sample must
+    take it about as often as the data holds it (1 in 64), be reproducible and hold the rows
+    it says it holds."""
+    from trtc.compiler.quantize.awq import ActivationSample
+    windows, length, keep = 64, 64, 512
+    x = torch.arange(windows * length, dtype=torch.float32)[:, None].repeat(1, 3)   # row i holds i
+    samples = []
+    for _ in range(2):
+        sample = ActivationSample(windows * length, keep)
+        for batch in x.split(8 * length):
+            sample.add(batch)
+        samples.append(sample)
+    rows = samples[0].tokens[:, 0].long()
+    assert len(rows) == keep and len(set(rows.tolist())) == keep
+    assert torch.equal(rows, samples[0].keep) and torch.equal(samples[0].tokens, samples[1].tokens)
+    firsts = int((rows % length == 0).sum())
+    assert firsts < 3 * keep / length                  # 8 expected; a stride of 8 takes 64
+    torch.testing.assert_close(samples[0].mean_abs, x.abs().mean(0))
+
+
 # --- FP8 -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("error_feedback", [False, True])
