@@ -69,7 +69,8 @@ class ActivationSample:
         s = x.abs().sum(0)
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
         self.count += x.shape[0]
-        lo, hi = torch.searchsorted(self.keep, torch.tensor([self._offset, self._offset + x.shape[0]])).tolist()
+        bounds = torch.tensor([self._offset, self._offset + x.shape[0]])
+        lo, hi = torch.searchsorted(self.keep, bounds).tolist()
         self.rows.append(x[self.keep[lo:hi] - self._offset].clone())
         self._offset += x.shape[0]
 
