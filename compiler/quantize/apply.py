@@ -151,8 +151,9 @@ def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
         "rtn": {"rounding": "nearest", "range": "min/max including 0"},
         "awq": {"alpha_grid": awq.N_GRID, "objective": "Linear outputs; MLP output for gate/up",
                 "clip_search": True, "fold": "RMSNorm weights, v_proj and up_proj rows",
-                "search_sample": "at most 4096 tokens (clip search 1024), uniform without "
-                                 "replacement, seed 0"},
+                "search_sample": f"at most {awq.SEARCH_TOKENS} tokens (clip search "
+                                 f"{awq.CLIP_TOKENS}), uniform without replacement, "
+                                 f"seed {awq.SAMPLE_SEED}"},
         "gptq": {"percdamp": 0.01, "block_size": gptq.BLOCK_SIZE, "act_order": result.act_order,
                  "static_groups": result.act_order, "range_search_steps": 50,
                  "sequential": "layers, then q/k/v, o, gate/up, down"},

@@ -43,6 +43,9 @@ from trtc.plugins.int4_gemm.reference import per_column
 N_GRID = 20            # alpha grid points on [0, 1]
 CLIP_GRID = 20         # clipping ratios 1 - i/CLIP_GRID ...
 CLIP_MAX_SHRINK = 0.5  # ... down to 1 - CLIP_MAX_SHRINK (exclusive)
+SEARCH_TOKENS = 4096   # token rows sampled for the scale search ...
+CLIP_TOKENS = 1024     # ... and, of those, for the clip search
+SAMPLE_SEED = 0        # the sample's seed: builds stay reproducible
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 
@@ -57,7 +60,7 @@ class ActivationSample:
     errors. At 128 windows of 512 tokens the stride of 16 made 1 sampled row in 32 a sink (1 in
     8 after the clip search's further stride), against 1 in 512 in the data."""
 
-    def __init__(self, total_tokens: int, max_tokens: int, seed: int = 0):
+    def __init__(self, total_tokens: int, max_tokens: int, seed: int = SAMPLE_SEED):
         order = torch.randperm(total_tokens, generator=torch.Generator().manual_seed(seed))
         self.keep = order[:max_tokens].sort().values      # token rows sampled, in stream order
         self.abs_sum: torch.Tensor | None = None
@@ -163,7 +166,7 @@ def clip(weight: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.T
 
 @torch.no_grad()
 def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
-              max_search_tokens: int = 4096, max_clip_tokens: int = 1024,
+              max_search_tokens: int = SEARCH_TOKENS, max_clip_tokens: int = CLIP_TOKENS,
               clip_search: bool = True, partial_groups: bool = False
               ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Scale-search, fold (in place, on the fp layer) and clip-search one decoder layer.
