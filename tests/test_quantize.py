@@ -178,6 +178,26 @@ def test_gptq_with_uncorrelated_inputs_is_rtn(act_order):
     torch.testing.assert_close(s, rs)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_range_search_weighs_columns_by_their_hessian(act_order):
+    # Diagonal H (nothing to compensate): GPTQ is rounding with its range search's parameters.
+    # Every group holds two outlier weights (+-0.6) on columns whose inputs are tiny: the
+    # unweighted search spends the group's range on them; GPTQ's objective,
+    # sum_j H_jj (w_j - w'_j)^2, does not.
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 128, generator=g) * 0.05
+    w[:, ::32], w[:, 16::32] = 0.6, -0.6
+    d = torch.ones(128)
+    d[::16] = 1e-4
+    h = torch.diag(d)
+    q, s, z = gptq.gptq_quantize(w, h, 32, act_order=act_order)
+    weighted_err = lambda w_q: (((w_q - w) ** 2) * d).sum()
+    plain = rtn.group_params(w.reshape(32, 4, 32), gptq.SHRINK_STEPS)   # least sum |w - w'|^2.4
+    q_plain = rtn.quantize_with(w.reshape(32, 4, 32), plain[0][..., None], plain[1][..., None])
+    w_plain = ((q_plain - plain[1][..., None]) * plain[0][..., None]).reshape(32, 128)
+    assert weighted_err(rtn.dequantize(q, s, z, 32)) < 0.5 * weighted_err(w_plain)
+
+
 def test_gptq_model_beats_rtn_and_restores_weights(tok):
     model = tiny_model("tiny-qwen2", 0)
     before = copy.deepcopy(model.state_dict())

@@ -49,30 +49,35 @@ def _range_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, tor
     return scale, zero
 
 
-def group_params(w: torch.Tensor, shrink_steps: int = 0, norm: float = 2.4
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, shrink_steps: int = 0, norm: float = 2.4,
+                 column_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., g]`` -> fp32 ``(scale [...], zero [...])`` of each row of ``g`` weights.
 
     ``shrink_steps > 0``: also try the range shrunk by 1%, 2%, ... (``shrink_steps`` of them)
-    and keep, per row, the one with the least ``sum |w - w'|^norm`` (GPTQ's "mse" grid)."""
+    and keep, per row, the one with the least error: ``sum |w - w'|^norm`` (GPTQ's reference
+    "mse" grid), or with ``column_weights`` (broadcast against ``w``, e.g. ``[G, g]``) the
+    weighted squared error ``sum c * (w - w')^2``."""
     w = w.float()
     lo = w.amin(-1).clamp(max=0.0)
     hi = w.amax(-1).clamp(min=0.0)
     scale, zero = _range_params(lo, hi)
     if shrink_steps:
-        best = _error(w, scale, zero, norm)
+        best = _error(w, scale, zero, norm, column_weights)
         for i in range(1, shrink_steps + 1):
             s, z = _range_params(lo * (1 - i / 100), hi * (1 - i / 100))
-            err = _error(w, s, z, norm)
+            err = _error(w, s, z, norm, column_weights)
             better = err < best
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
     return scale, zero
 
 
-def _error(w, scale, zero, norm):
+def _error(w, scale, zero, norm, column_weights):
     q = quantize_with(w, scale[..., None], zero[..., None])
-    return ((q - zero[..., None]) * scale[..., None] - w).abs().pow(norm).sum(-1)
+    diff = (q - zero[..., None]) * scale[..., None] - w
+    if column_weights is not None:
+        return (diff.square() * column_weights).sum(-1)
+    return diff.abs().pow(norm).sum(-1)
 
 
 def quantize_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
