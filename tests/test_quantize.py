@@ -192,9 +192,9 @@ def test_gptq_range_search_weighs_columns_by_their_hessian(act_order):
     h = torch.diag(d)
     q, s, z = gptq.gptq_quantize(w, h, 32, act_order=act_order)
     weighted_err = lambda w_q: (((w_q - w) ** 2) * d).sum()
-    plain = rtn.group_params(w.reshape(32, 4, 32), gptq.SHRINK_STEPS)   # least sum |w - w'|^2.4
-    q_plain = rtn.quantize_with(w.reshape(32, 4, 32), plain[0][..., None], plain[1][..., None])
-    w_plain = ((q_plain - plain[1][..., None]) * plain[0][..., None]).reshape(32, 128)
+    s_plain, z_plain = rtn.group_params(w.reshape(32, 4, 32), gptq.SHRINK_STEPS)  # least sum |w - w'|^2.4
+    q_plain = rtn.quantize_with(w.reshape(32, 4, 32), s_plain[..., None], z_plain[..., None])
+    w_plain = rtn.dequantize(q_plain.reshape(32, 128), s_plain, z_plain, 32)
     assert weighted_err(rtn.dequantize(q, s, z, 32)) < 0.5 * weighted_err(w_plain)
 
 

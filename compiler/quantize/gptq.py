@@ -140,13 +140,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     if block_size % group_size:
         raise ValueError(f"GPTQ block size {block_size} is not a multiple of group_size {group_size}")
     num_groups = -(-k // group_size)
+    diag = torch.diag(hessian).float()
     # diag(H) per column, padded like the weights: the range search's column weights.
-    h_diag = rtn.pad_to_groups(torch.diag(hessian).float(), group_size).reshape(num_groups, group_size)
+    h_diag = rtn.pad_to_groups(diag, group_size).reshape(num_groups, group_size)
     scales = torch.zeros(n, num_groups)
     zeros = torch.zeros(n, num_groups)
     if act_order:       # static groups, from the unmodified weights
         w0 = weight.detach().float().clone()
-        w0[:, torch.diag(hessian) == 0] = 0.0
+        w0[:, diag == 0] = 0.0
         w0 = rtn.pad_to_groups(w0, group_size)
         scales[:], zeros[:] = rtn.group_params(w0.reshape(n, num_groups, group_size), shrink_steps,
                                                column_weights=h_diag)
