@@ -1,36 +1,11 @@
 """Which Hugging Face architectures trtc compiles, and the geometry it reads from their configs."""
+
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-from trtc.compiler.errors import BuildError
+from trtc.artifact import ModelGeometry
+from trtc.errors import BuildError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    rope_parameters: dict
-    sliding_windows: tuple[int, ...]   # per layer; 0 = full attention
-
-    def to_manifest(self) -> dict:
-        d = asdict(self)
-        d["sliding_windows"] = list(self.sliding_windows)
-        return d
 
 
 def check_supported(config) -> str:
@@ -38,14 +13,21 @@ def check_supported(config) -> str:
     archs = list(getattr(config, "architectures", None) or [])
     if not archs:
         # Configs built in code (tiny models) carry no `architectures`; derive it from model_type.
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM"}
-        archs = [by_type.get(getattr(config, "model_type", ""), str(getattr(config, "model_type", "?")))]
+        by_type = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }
+        archs = [
+            by_type.get(getattr(config, "model_type", ""), str(getattr(config, "model_type", "?")))
+        ]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise BuildError(f"unsupported architecture {arch!r} (model_type "
-                         f"{getattr(config, 'model_type', '?')!r}); trtc supports: "
-                         + ", ".join(SUPPORTED_ARCHITECTURES))
+        raise BuildError(
+            f"unsupported architecture {arch!r} (model_type "
+            f"{getattr(config, 'model_type', '?')!r}); trtc supports: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
     return arch
 
 

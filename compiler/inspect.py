@@ -1,4 +1,5 @@
 """`trtc inspect`: what an artifact holds, read from its manifest (files checked against it)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,38 +7,61 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from trtc.compiler.artifact import read_manifest, verify_files
+from trtc.artifact import Artifact, EngineRecord, Manifest
+from trtc.engines import engine_refusal
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def inspect_artifact(directory: str | Path, console: Console | None = None, verify: bool = True) -> dict:
+def inspect_artifact(
+    directory: str | Path, console: Console | None = None, verify: bool = True
+) -> Manifest:
+    """Print an artifact's summary (model, limits, KV cache, weights, fusions, plugins,
+    engines and whether this host runs them); returns its manifest."""
     console = console or Console()
-    m = read_manifest(directory)
+    artifact = Artifact.open(directory)
     if verify:
-        verify_files(directory, m)
-    g, kv, graph = m["model"], m["kv_cache"], m["graph"]
+        artifact.verify()
+    m = artifact.manifest
+    g, kv, graph = m.model, m.kv_cache, m.graph
 
-    console.print(f"[bold]{m['name']}[/]  ({directory})  trtc {m['trtc_version']}, "
-                  f"format v{m['format_version']}, built {m['created']}")
+    console.print(
+        f"[bold]{m.name}[/]  ({directory})  trtc {m.trtc_version}, "
+        f"format v{m.format_version}, built {m.created}"
+    )
     overview = Table(show_header=False, box=None, pad_edge=False)
-    overview.add_row("model", f"{g['architecture']}: {g['num_layers']} layers, hidden {g['hidden_size']}, "
-                              f"{g['num_heads']} heads / {g['num_kv_heads']} KV heads x {g['head_dim']}, "
-                              f"vocab {g['vocab_size']}")
-    overview.add_row("source", f"{m['source']['kind']} {m['source']['path']} (sha256 {m['source']['sha256'][:12]})")
-    overview.add_row("precision", f"{m['precision']}; quantization {m['quantization']['method']}")
-    lim = m["limits"]
-    overview.add_row("limits", f"{lim['max_num_tokens']} tokens/step, {lim['max_num_seqs']} sequences, "
-                               f"context {lim['max_seq_len']}")
-    overview.add_row("KV cache", f"{kv['layout']}, block {kv['block_size']} tokens, {kv['dtype']}, pool "
-                                 f"{kv['pool_shape']}; {kv['bytes_per_token']:,} bytes/token, "
-                                 f"{kv['bytes_per_block']:,} bytes/block")
-    wb = graph["weight_bytes"]
-    overview.add_row("weights", f"{_mb(wb['total'])} (" + ", ".join(
-        f"{k} {_mb(v)}" for k, v in wb.items() if k != "total") + ")")
-    overview.add_row("graph", f"{graph['file']}: {graph['num_nodes']} nodes, opsets {graph['opset']}")
+    overview.add_row(
+        "model",
+        f"{g.architecture}: {g.num_layers} layers, hidden {g.hidden_size}, "
+        f"{g.num_heads} heads / {g.num_kv_heads} KV heads x {g.head_dim}, "
+        f"vocab {g.vocab_size}",
+    )
+    overview.add_row(
+        "source", f"{m.source['kind']} {m.source['path']} (sha256 {m.source['sha256'][:12]})"
+    )
+    overview.add_row("precision", f"{m.precision}; quantization {m.quantization.method}")
+    lim = m.limits
+    overview.add_row(
+        "limits",
+        f"{lim.max_num_tokens} tokens/step, {lim.max_num_seqs} sequences, "
+        f"context {lim.max_seq_len}",
+    )
+    overview.add_row(
+        "KV cache",
+        f"{kv.layout}, block {kv.block_size} tokens, {kv.dtype}, pool "
+        f"{kv.pool_shape}; {kv.bytes_per_token:,} bytes/token, "
+        f"{kv.bytes_per_block:,} bytes/block",
+    )
+    wb = graph.weight_bytes
+    overview.add_row(
+        "weights",
+        f"{_mb(wb['total'])} ("
+        + ", ".join(f"{k} {_mb(v)}" for k, v in wb.items() if k != "total")
+        + ")",
+    )
+    overview.add_row("graph", f"{graph.file}: {graph.num_nodes} nodes, opsets {graph.opset}")
     console.print(overview)
 
     fusions = Table(title="fusions", title_justify="left")
@@ -45,21 +69,27 @@ def inspect_artifact(directory: str | Path, console: Console | None = None, veri
     fusions.add_column("total", justify="right")
     fusions.add_column("per layer", justify="right")
     fusions.add_column("final", justify="right")
-    report = m["fusions"]
+    report = m.fusions
     for kind, total in report["totals"].items():
         per = sorted({c.get(kind, 0) for c in report["per_layer"].values()})
-        fusions.add_row(kind, str(total), "/".join(map(str, per)), str(report["final"].get(kind, "")))
+        fusions.add_row(
+            kind, str(total), "/".join(map(str, per)), str(report["final"].get(kind, ""))
+        )
     console.print(fusions)
 
     plugins = Table(title="plugins", title_justify="left")
     for col in ("op", "version", "nodes", "in-place outputs"):
         plugins.add_column(col)
-    for p in m["plugins"]:
-        plugins.add_row(f"{p['domain']}::{p['op_type']}", str(p["version"]), str(p["num_nodes"]),
-                        ", ".join(f"{o}->{i}" for o, i in p["aliases"].items()))
+    for p in m.plugins:
+        plugins.add_row(
+            f"{p['domain']}::{p['op_type']}",
+            str(p["version"]),
+            str(p["num_nodes"]),
+            ", ".join(f"{o}->{i}" for o, i in p["aliases"].items()),
+        )
     console.print(plugins)
 
-    engines = m.get("engines", [])
+    engines = m.engines
     if not engines:
         console.print("engines: none (ONNX artifact only)")
         return m
@@ -67,20 +97,25 @@ def inspect_artifact(directory: str | Path, console: Console | None = None, veri
     for col in ("target", "backend", "KV layout", "size", "sha256", "I/O", "runs on this host"):
         table.add_column(col)
     for e in engines:
-        ins, outs = e["io"]["inputs"], e["io"]["outputs"]
+        ins, outs = e.io["inputs"], e.io["outputs"]
         caches = sum(1 for t in ins if "cache" in t["name"] and t["name"] != "cache_positions")
         shown = [f"{t['name']} {t['shape']} {t['dtype']}" for t in ins if "cache." not in t["name"]]
         io = f"in: {'; '.join(shown)}; + {caches} caches -> {len(outs)} outputs"
-        table.add_row(f"{e['target']} (cc {e['compute_capability']})",
-                      f"{e['backend']} {e.get('trt_version', '')}", e.get("kv_layout", "paged"),
-                      _mb(e["bytes"]), e["sha256"][:12], io, host_can_run(e))
+        table.add_row(
+            f"{e.target} (cc {e.compute_capability})",
+            f"{e.backend} {e.trt_version}",
+            e.kv_layout,
+            _mb(e.bytes),
+            e.sha256[:12],
+            io,
+            host_can_run(e),
+        )
     console.print(table)
     return m
 
 
-def host_can_run(engine: dict) -> str:
-    """Whether this machine could deserialize and run the engine, and if not, why: the TensorRT
-    executor's own check, so inspect and serving never disagree."""
-    from trtc.runtime.tensorrt_executor import engine_refusal
+def host_can_run(engine: EngineRecord) -> str:
+    """Whether this machine could deserialize and run the engine, and if not, why (the TensorRT
+    executor's own check, `trtc.engines`)."""
     why = engine_refusal(engine)
     return "yes" if why is None else f"no: {why}"

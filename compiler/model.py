@@ -6,6 +6,7 @@ primitive ops that the ONNX passes then recognise and fuse; attention is the `tr
 plugin from the start, because its paged, ragged semantics have no faithful primitive spelling.
 Parameter names mirror transformers', so a Hugging Face state dict loads as it is.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> torch.Tensor:
     """Non-interleaved RoPE on ``x[T, heads*head_dim]``; ``cos/sin[T, head_dim/2]``."""
     tokens = x.shape[0]
     x = x.view(tokens, -1, head_dim)
@@ -44,7 +47,7 @@ class Attention(nn.Module):
     def __init__(self, g: ModelGeometry, sliding_window: int):
         super().__init__()
         self.g, self.sliding_window = g, sliding_window
-        self.kv_scales = (1.0, 1.0)     # (k_scale, v_scale): set for an FP8 KV cache
+        self.kv_scales = (1.0, 1.0)  # (k_scale, v_scale): set for an FP8 KV cache
         self.q_proj = nn.Linear(g.hidden_size, g.num_heads * g.head_dim, bias=g.qkv_bias)
         self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
         self.v_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
@@ -56,10 +59,22 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_proj(x), cos, sin, g.head_dim)
         v = self.v_proj(x)
         out, kv_cache = paged_attention(
-            q, k, v, kv_cache, step["slot_mapping"], step["block_tables"],
-            step["context_lens"], step["query_start_loc"], num_heads=g.num_heads,
-            num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, scale=g.head_dim ** -0.5,
-            sliding_window=self.sliding_window, k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
+            q,
+            k,
+            v,
+            kv_cache,
+            step["slot_mapping"],
+            step["block_tables"],
+            step["context_lens"],
+            step["query_start_loc"],
+            num_heads=g.num_heads,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim,
+            scale=g.head_dim**-0.5,
+            sliding_window=self.sliding_window,
+            k_scale=self.kv_scales[0],
+            v_scale=self.kv_scales[1],
+        )
         return self.o_proj(out), kv_cache
 
 
@@ -111,10 +126,23 @@ class StepModel(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens,
-                query_start_loc, logits_indices, *kv_caches):
-        step = {"slot_mapping": slot_mapping, "block_tables": block_tables,
-                "context_lens": context_lens, "query_start_loc": query_start_loc}
+    def forward(
+        self,
+        input_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        logits_indices,
+        *kv_caches,
+    ):
+        step = {
+            "slot_mapping": slot_mapping,
+            "block_tables": block_tables,
+            "context_lens": context_lens,
+            "query_start_loc": query_start_loc,
+        }
         cos, sin = F.embedding(positions, self.rope_cos), F.embedding(positions, self.rope_sin)
         x = self.model.embed_tokens(input_ids)
         new_caches = []
@@ -123,12 +151,18 @@ class StepModel(nn.Module):
             new_caches.append(kv_cache)
         # Only the rows that produce a next token go through the norm and the LM head.
         x = self.model.norm(torch.index_select(x, 0, logits_indices))
-        head = self.model.embed_tokens.weight if self.geometry.tie_word_embeddings else self.lm_head.weight
+        head = (
+            self.model.embed_tokens.weight
+            if self.geometry.tie_word_embeddings
+            else self.lm_head.weight
+        )
         logits = F.linear(x, head).float()
         return (logits, *new_caches)
 
 
-def rope_tables(hf_model, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    hf_model, max_seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[max_seq_len, head_dim/2]`` from the model's own rotary module, so every
     rope-scaling variant transformers implements (linear, dynamic, yarn, llama3, ...) is honoured."""
     rotary = hf_model.model.rotary_emb
@@ -140,8 +174,14 @@ def rope_tables(hf_model, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.T
     return cos[0, :, :half].to(dtype).contiguous(), sin[0, :, :half].to(dtype).contiguous()
 
 
-def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype,
-            quantized=None, kv_scales: list[tuple[float, float]] | None = None) -> StepModel:
+def from_hf(
+    hf_model,
+    g: ModelGeometry,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    quantized=None,
+    kv_scales: list[tuple[float, float]] | None = None,
+) -> StepModel:
     """Our step model with ``hf_model``'s weights; ``quantized`` (a `QuantizationResult`) swaps
     its projections for the plugin Linear modules (names are transformers', as here);
     ``kv_scales`` gives each layer's (k_scale, v_scale) for an FP8 KV cache."""
@@ -152,8 +192,10 @@ def from_hf(hf_model, g: ModelGeometry, max_seq_len: int, dtype: torch.dtype,
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"weights do not match the {g.architecture} layout: "
-                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"weights do not match the {g.architecture} layout: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if quantized is not None:
         quantized.install(model)
     for layer, scales in zip(model.model.layers, kv_scales or ()):

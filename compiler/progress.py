@@ -1,11 +1,12 @@
 """Stage-by-stage progress: a live spinner and a line per finished stage on a terminal, plain
 timestamped lines otherwise (CI logs, pipes). Every line also goes to the artifact's build.log."""
+
 from __future__ import annotations
 
 import sys
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from rich.console import Console
 
@@ -19,7 +20,7 @@ class Progress:
         self._status = None
 
     def log(self, message: str) -> None:
-        stamp = datetime.now(timezone.utc).strftime("%H:%M:%S")
+        stamp = datetime.now(UTC).strftime("%H:%M:%S")
         self.lines.append(f"{stamp} {message}")
         if self.quiet:
             return
@@ -35,7 +36,11 @@ class Progress:
         start = time.perf_counter()
         if not self.interactive:
             self.log(f"{name}: {description} ...")
-        status = self.console.status(f"[bold]{name}[/]: {description}") if self.interactive and not self.quiet else None
+        status = (
+            self.console.status(f"[bold]{name}[/]: {description}")
+            if self.interactive and not self.quiet
+            else None
+        )
         if status:
             status.start()
         self._status = (name, status)
@@ -62,7 +67,9 @@ class Progress:
             return
         name, status = self._status
         if status is not None:
-            self.lines.append(f"{datetime.now(timezone.utc).strftime('%H:%M:%S')} {name}: {message}")
+            self.lines.append(
+                f"{datetime.now(UTC).strftime('%H:%M:%S')} {name}: {message}"
+            )
             status.update(f"[bold]{name}[/]: {message}")
         else:
             self.log(f"{name}: {message}")

@@ -1,5 +1,6 @@
 """Stage 1, load: a checkpoint (HF directory, GGUF file or tiny random model) becomes a
 transformers model, its tokenizer, its geometry and a hash that identifies the source."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +12,8 @@ import torch
 
 from trtc.compiler.architectures import ModelGeometry, check_supported, geometry_from_config
 from trtc.compiler.config import BuildConfig, resolve_path
-from trtc.compiler.errors import BuildError, ConfigError
 from trtc.compiler.tiny import byte_tokenizer, tiny_config, tiny_model
+from trtc.errors import BuildError, ConfigError
 
 
 @dataclass
@@ -20,7 +21,7 @@ class LoadedModel:
     hf_model: torch.nn.Module
     tokenizer: object
     geometry: ModelGeometry
-    source: dict            # manifest record: kind, path, sha256
+    source: dict  # manifest record: kind, path, sha256
 
 
 def _sha256_files(paths: list[Path], root: Path | None = None) -> str:
@@ -44,6 +45,7 @@ def _hf_kwargs(cfg: BuildConfig) -> tuple[str, dict]:
 def load_hf_config(cfg: BuildConfig):
     """The model's transformers config, checked for a supported architecture before any weights load."""
     from transformers import AutoConfig
+
     if cfg.model.source == "tiny":
         config = tiny_config(cfg.model.name)
     else:
@@ -61,8 +63,10 @@ def max_seq_len(cfg: BuildConfig, g: ModelGeometry) -> int:
     if cfg.limits.max_seq_len is None:
         return g.max_position_embeddings
     if cfg.limits.max_seq_len > g.max_position_embeddings:
-        raise ConfigError(f"limits.max_seq_len: {cfg.limits.max_seq_len} exceeds the model's "
-                          f"max_position_embeddings {g.max_position_embeddings}")
+        raise ConfigError(
+            f"limits.max_seq_len: {cfg.limits.max_seq_len} exceeds the model's "
+            f"max_position_embeddings {g.max_position_embeddings}"
+        )
     return cfg.limits.max_seq_len
 
 
@@ -71,6 +75,7 @@ def _quiet_gguf_progress() -> None:
     from functools import partial
 
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
     if not isinstance(gguf_utils.tqdm, partial):
         gguf_utils.tqdm = partial(gguf_utils.tqdm, disable=True)
 
@@ -78,34 +83,47 @@ def _quiet_gguf_progress() -> None:
 def load_model(cfg: BuildConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()     # the build shows its own per-stage progress
+
+    hf_logging.disable_progress_bar()  # the build shows its own per-stage progress
     _quiet_gguf_progress()
     config = load_hf_config(cfg)
     geometry = geometry_from_config(config)
     max_seq_len(cfg, geometry)
     lora_record = None
-    if cfg.model.lora is not None:        # checked against the config before weights load
+    if cfg.model.lora is not None:  # checked against the config before weights load
         from trtc.compiler.lora import check_adapter
+
         lora_record = check_adapter(resolve_path(cfg.model.lora), config)
     if cfg.model.source == "tiny":
         model = tiny_model(cfg.model.name, cfg.model.seed)
         tokenizer = byte_tokenizer()
-        recipe = json.dumps({"name": cfg.model.name, "seed": cfg.model.seed,
-                             "config": config.to_diff_dict()}, sort_keys=True, default=str)
-        source = {"kind": "tiny", "path": cfg.model.name, "seed": cfg.model.seed,
-                  "sha256": hashlib.sha256(recipe.encode()).hexdigest()}
+        recipe = json.dumps(
+            {"name": cfg.model.name, "seed": cfg.model.seed, "config": config.to_diff_dict()},
+            sort_keys=True,
+            default=str,
+        )
+        source = {
+            "kind": "tiny",
+            "path": cfg.model.name,
+            "seed": cfg.model.seed,
+            "sha256": hashlib.sha256(recipe.encode()).hexdigest(),
+        }
     else:
         where, kwargs = _hf_kwargs(cfg)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         path = resolve_path(cfg.model.path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        source = {"kind": cfg.model.source, "path": str(path.resolve()),
-                  "sha256": _sha256_files(files, None if path.is_file() else path)}
+        source = {
+            "kind": cfg.model.source,
+            "path": str(path.resolve()),
+            "sha256": _sha256_files(files, None if path.is_file() else path),
+        }
     if getattr(tokenizer, "chat_template", None) is None:
         source["chat_template"] = False
     if lora_record is not None:
         from trtc.compiler.lora import merge_adapter
+
         model = merge_adapter(model, resolve_path(cfg.model.lora))
         source["lora"] = lora_record
     return LoadedModel(model, tokenizer, geometry, source)
@@ -115,8 +133,13 @@ def load_source_model(source: dict, dtype: torch.dtype = torch.float32):
     """The transformers model an artifact was built from, as its manifest records it (for
     baselines and reference checks)."""
     from transformers import AutoModelForCausalLM
+
     if source["kind"] == "tiny":
         return tiny_model(source["path"], source.get("seed", 0)).to(dtype)
     path = Path(source["path"])
-    where, kwargs = (str(path.parent), {"gguf_file": path.name}) if source["kind"] == "gguf" else (str(path), {})
+    where, kwargs = (
+        (str(path.parent), {"gguf_file": path.name})
+        if source["kind"] == "gguf"
+        else (str(path), {})
+    )
     return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()

@@ -1,4 +1,5 @@
 """GPU architecture profiles, read from ``configs/architectures.yaml`` (their one source)."""
+
 from __future__ import annotations
 
 from functools import cache

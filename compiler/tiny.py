@@ -1,5 +1,6 @@
 """Tiny random-initialised models for tests: real transformers architectures at toy sizes,
 with a byte-level tokenizer built in code, so nothing is downloaded."""
+
 from __future__ import annotations
 
 # transformers and torch are imported inside the functions: config validation (which needs
@@ -8,29 +9,71 @@ from __future__ import annotations
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|eos|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
-_COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=256 + len(SPECIAL_TOKENS), max_position_embeddings=512,
-               bos_token_id=256, eos_token_id=257, rms_norm_eps=1e-5)
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256 + len(SPECIAL_TOKENS),
+    max_position_embeddings=512,
+    bos_token_id=256,
+    eos_token_id=257,
+    rms_norm_eps=1e-5,
+)
 
 # name -> (transformers config class, its arguments)
 TINY_MODELS = {
     # GQA 4:2, untied head, llama3 rope scaling.
-    "tiny-llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "tiny-llama": (
+        "LlamaConfig",
+        dict(
+            _COMMON,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # Sliding-window attention shorter than the test prompts, tied embeddings, MQA.
-    "tiny-mistral": ("MistralConfig", dict(_COMMON, num_key_value_heads=1, sliding_window=24,
-                                           tie_word_embeddings=True)),
+    "tiny-mistral": (
+        "MistralConfig",
+        dict(_COMMON, num_key_value_heads=1, sliding_window=24, tie_word_embeddings=True),
+    ),
     # Q/K/V bias, linear rope scaling, MHA.
-    "tiny-qwen2": ("Qwen2Config", dict(_COMMON, num_key_value_heads=4, tie_word_embeddings=False,
-                                       rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
-                                                        "factor": 2.0})),
+    "tiny-qwen2": (
+        "Qwen2Config",
+        dict(
+            _COMMON,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+    ),
     # Not tiny: the TinyLlama-1.1B geometry with random weights, for GPU benchmarks.
-    "llama-1b-random": ("LlamaConfig", dict(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, bos_token_id=256,
-        eos_token_id=257, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-1b-random": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            bos_token_id=256,
+            eos_token_id=257,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # Standard deviation of the random weights: large for toy widths, so that argmax checks are not
 # decided by near ties; small at 2048 wide, so fp16 activations stay finite.
@@ -39,6 +82,7 @@ INIT_STD = {"llama-1b-random": 0.02}
 
 def tiny_config(name: str):
     import transformers
+
     class_name, kwargs = TINY_MODELS[name]
     config = getattr(transformers, class_name)(**kwargs)
     config.architectures = [class_name.replace("Config", "ForCausalLM")]
@@ -48,6 +92,7 @@ def tiny_config(name: str):
 def tiny_model(name: str, seed: int):
     import torch
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
     # Random init gives near-uniform logits; larger weights make argmax checks meaningful.
@@ -64,6 +109,7 @@ def byte_tokenizer():
     """One token per byte (ids 0-255) plus the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     byte_chars = _byte_chars()
     vocab = {byte_chars[b]: b for b in range(256)}
     for i, tok in enumerate(SPECIAL_TOKENS):
@@ -79,8 +125,11 @@ def byte_tokenizer():
 
 def _byte_chars() -> list[str]:
     """GPT-2's byte-to-unicode table (the ByteLevel pre-tokenizer's alphabet, in byte order)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = {}, 0
     for b in range(256):
         if b in printable:

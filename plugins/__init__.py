@@ -1,5 +1,6 @@
 """trtc plugins: one semantic definition (a torch reference) per custom ONNX op, plus the
 implementations that must agree with it."""
+
 from trtc.plugins.fp8_gemm import SPEC as FP8_GEMM
 from trtc.plugins.int4_gemm import SPEC as INT4_GEMM
 from trtc.plugins.paged_attention import SPEC as PAGED_ATTENTION

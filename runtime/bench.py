@@ -2,17 +2,24 @@
 numbers of inference: TTFT, TPOT, inter-token latency, end-to-end latency (p50/p90/p99),
 requests/s, output tokens/s and peak memory; in-flight batching and static batching (fixed
 batches that wait for their longest member, as transformers' `generate` does) on the same set."""
+
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from trtc.runtime.sequence import SamplingParams
+from trtc.artifact import Manifest
+from trtc.runtime.core.sequence import SamplingParams
+
+MODES = ("inflight", "static")
 
 
 @dataclass
@@ -29,13 +36,24 @@ class RequestTiming:
     num_prompt_tokens: int = 0
 
 
-def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
-                  seed: int, reserved: set[int] = frozenset()) -> list[BenchRequest]:
-    """A reproducible request set: random token prompts (no special tokens), fixed output lengths."""
+def make_requests(
+    n: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab: int,
+    seed: int,
+    reserved: set[int] = frozenset(),
+) -> list[BenchRequest]:
+    """A reproducible request set: random token prompts (no special tokens), fixed output
+    lengths."""
     rng = random.Random(seed)
     usable = [t for t in range(min(vocab, 32000)) if t not in reserved]
-    return [BenchRequest([rng.choice(usable) for _ in range(rng.randint(*prompt_len))],
-                         rng.randint(*output_len)) for _ in range(n)]
+    return [
+        BenchRequest(
+            [rng.choice(usable) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)
+        )
+        for _ in range(n)
+    ]
 
 
 def percentiles(values: list[float]) -> dict:
@@ -47,29 +65,49 @@ def percentiles(values: list[float]) -> dict:
         k = (len(ordered) - 1) * p / 100
         lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
     return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
 def summarize(name: str, timings: list[RequestTiming], wall: float, peak_rss: int | None) -> dict:
     ttft = [t.token_times[0] - t.arrival for t in timings if t.token_times]
-    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
-            for t in timings if len(t.token_times) > 1]
+    tpot = [
+        (t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
+        for t in timings
+        if len(t.token_times) > 1
+    ]
     itl = [b - a for t in timings for a, b in zip(t.token_times, t.token_times[1:])]
     e2e = [t.finish - t.arrival for t in timings]
     out_tokens = sum(len(t.token_times) for t in timings)
-    return {"mode": name, "requests": len(timings), "duration_s": wall,
-            "requests_per_s": len(timings) / wall, "output_tokens": out_tokens,
-            "output_tokens_per_s": out_tokens / wall, "ttft_s": percentiles(ttft),
-            "tpot_s": percentiles(tpot), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
-            "peak_rss_mb": peak_rss / 2**20 if peak_rss else None}
+    return {
+        "mode": name,
+        "requests": len(timings),
+        "duration_s": wall,
+        "requests_per_s": len(timings) / wall,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall,
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles(e2e),
+        "peak_rss_mb": peak_rss / 2**20 if peak_rss else None,
+    }
 
 
 def _params(req: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    return SamplingParams(
+        max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+    )
 
 
-def run_engine(engine, requests: list[BenchRequest], mode: str, concurrency: int,
-               rate: float | None = None, seed: int = 0) -> dict:
+def run_engine(
+    engine,
+    requests: list[BenchRequest],
+    mode: str,
+    concurrency: int,
+    rate: float | None = None,
+    seed: int = 0,
+) -> dict:
     """In-process: ``inflight`` keeps ``concurrency`` requests in the engine (or admits them on a
     Poisson clock at ``rate``/s); ``static`` runs batches of ``concurrency`` to completion."""
     rng = random.Random(seed)
@@ -98,12 +136,13 @@ def run_engine(engine, requests: list[BenchRequest], mode: str, concurrency: int
                 time.sleep(max(0.0, min(next_arrival - now, 0.05)))
                 continue
         else:
-            in_flight = engine.scheduler.num_waiting + engine.scheduler.num_running
+            stats = engine.stats()
+            in_flight = stats.num_waiting + stats.num_running
             while pending and in_flight < concurrency:
                 admit(pending.pop(0), now)
                 in_flight += 1
         outputs = engine.step()
-        peak_kv_blocks = max(peak_kv_blocks, engine.kv_blocks_used())
+        peak_kv_blocks = max(peak_kv_blocks, engine.stats().kv_blocks_used)
         now = time.perf_counter()
         for out in outputs:
             t = timings[out.request_id]
@@ -111,14 +150,27 @@ def run_engine(engine, requests: list[BenchRequest], mode: str, concurrency: int
             if out.finished:
                 t.finish = now
     wall = time.perf_counter() - start
-    result = summarize(mode, list(timings.values()), wall, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    result["peak_kv_mb"] = peak_kv_blocks * engine.manifest["kv_cache"]["bytes_per_block"] / 2**20
+    result = summarize(
+        mode,
+        list(timings.values()),
+        wall,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    result["peak_kv_mb"] = peak_kv_blocks * engine.manifest.kv_cache.bytes_per_block / 2**20
     return result
 
 
-async def _run_server(url: str, model: str, requests: list[BenchRequest], concurrency: int,
-                      rate: float | None, seed: int, api_key: str | None) -> list[RequestTiming]:
+async def _run_server(
+    url: str,
+    model: str,
+    requests: list[BenchRequest],
+    concurrency: int,
+    rate: float | None,
+    seed: int,
+    api_key: str | None,
+) -> list[RequestTiming]:
     import httpx
+
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -127,9 +179,17 @@ async def _run_server(url: str, model: str, requests: list[BenchRequest], concur
         await asyncio.sleep(delay)
         async with sem:
             t = RequestTiming(arrival=time.perf_counter(), num_prompt_tokens=len(req.prompt_ids))
-            body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            body = {
+                "model": model,
+                "prompt": req.prompt_ids,
+                "max_tokens": req.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with client.stream(
+                "POST", f"{url}/v1/completions", json=body, headers=headers
+            ) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"server answered {r.status_code}: {await r.aread()!r}")
                 async for line in r.aiter_lines():
@@ -150,9 +210,16 @@ async def _run_server(url: str, model: str, requests: list[BenchRequest], concur
         return await asyncio.gather(*(one(client, r, d) for r, d in zip(requests, delays)))
 
 
-def run_server(url: str, requests: list[BenchRequest], concurrency: int, rate: float | None = None,
-               seed: int = 0, api_key: str | None = None) -> dict:
+def run_server(
+    url: str,
+    requests: list[BenchRequest],
+    concurrency: int,
+    rate: float | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> dict:
     import httpx
+
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
@@ -171,32 +238,123 @@ def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, devic
     greedy, EOS ignored); a batch runs until its longest member is done. Only the tokens each
     request asked for count as output."""
     import torch
+
     timings = []
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
+        batch = requests[i : i + batch_size]
         width = max(len(r.prompt_ids) for r in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, r in enumerate(batch):
-            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids):] = 1
+            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids) :] = 1
         longest = max(r.max_tokens for r in batch)
         arrival = time.perf_counter()
         with torch.inference_mode():
-            hf_model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
-                              min_new_tokens=longest, do_sample=False, pad_token_id=0)
+            hf_model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         done = time.perf_counter()
         for r in batch:
             # No per-token times from generate: tokens are spread evenly over the batch's time.
             step = (done - arrival) / longest
-            timings.append(RequestTiming(arrival, [arrival + step * (k + 1) for k in range(r.max_tokens)],
-                                         done, len(r.prompt_ids)))
+            timings.append(
+                RequestTiming(
+                    arrival,
+                    [arrival + step * (k + 1) for k in range(r.max_tokens)],
+                    done,
+                    len(r.prompt_ids),
+                )
+            )
     wall = time.perf_counter() - start
     result = summarize("hf-static", timings, wall, None)
     if device.startswith("cuda"):
         import torch
+
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return result
+
+
+def bench_artifact(
+    artifact: str | Path,
+    engine_config,
+    requests_spec: dict,
+    concurrency: int,
+    rate: float | None,
+    modes: list[str],
+    hf_loader: Callable | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Load the artifact in-process, warm it up, replay the request set in each mode (same
+    requests), and, with ``hf_loader``, transformers' static batching on the source model
+    afterwards, on the same device once the engine's memory is given back. ``requests_spec``:
+    `make_requests`' ``n``, ``prompt_len``, ``output_len`` and ``seed``. ``hf_loader(source,
+    dtype)`` loads the manifest's source model in transformers (the compiler's loader, passed
+    in by the CLI: the runtime does not import the compiler)."""
+    import torch
+
+    from trtc.contract import TORCH_DTYPES
+    from trtc.runtime.engine import LLMEngine
+
+    engine = LLMEngine(artifact, engine_config)
+    special = set(engine.tokenizer.all_special_ids)
+    vocab = engine.manifest.model.vocab_size
+    requests = make_requests(vocab=vocab, reserved=special, **requests_spec)
+    seed = requests_spec["seed"]
+    # Warm up first: the first steps of a fresh process pay one-off allocation costs.
+    warmup = make_requests(
+        min(4, concurrency), requests_spec["prompt_len"], (2, 4), vocab, seed + 1, special
+    )
+    run_engine(engine, warmup, "inflight", concurrency)
+    results = []
+    for mode in modes:
+        log(f"running {mode} batching: {len(requests)} requests, concurrency {concurrency} ...")
+        results.append(
+            run_engine(
+                engine, requests, mode, concurrency, rate if mode == "inflight" else None, seed
+            )
+        )
+    if hf_loader is not None:
+        manifest: Manifest = engine.manifest
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        del engine  # give its KV pool back before the baseline loads
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        hf = hf_loader(manifest.source, TORCH_DTYPES[manifest.precision]).to(device)
+        log(f"running transformers generate, static batches of {concurrency} ({device}) ...")
+        results.append(run_hf_static(hf, requests, concurrency, device))
+    return results
+
+
+def bench_url(
+    url: str, requests_spec: dict, concurrency: int, rate: float | None, api_key: str | None = None
+) -> list[dict]:
+    """Replay the request set against a running `trtc serve`."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]
+    requests = make_requests(vocab=model.get("vocab_size", 32000), **requests_spec)
+    return [run_server(url, requests, concurrency, rate, requests_spec["seed"], api_key)]
+
+
+def comparisons(results: list[dict]) -> list[str]:
+    """The first result against each other one, in words."""
+    first = results[0]
+    return [
+        f"{first['mode']} / {other['mode']}: "
+        f"{first['output_tokens_per_s'] / other['output_tokens_per_s']:.2f}x output tokens/s, "
+        f"{first['e2e_s']['mean'] / other['e2e_s']['mean']:.2f}x mean E2E latency, "
+        f"{first['ttft_s']['p50'] / other['ttft_s']['p50']:.2f}x TTFT p50"
+        for other in results[1:]
+    ]

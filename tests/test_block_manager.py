@@ -1,13 +1,14 @@
 """The paged KV block pool: allocation, growth, free, and prefix caching with reference counts."""
+
 from __future__ import annotations
 
 import pytest
 
-from trtc.runtime.block_manager import BlockManager
-from trtc.runtime.sequence import Sequence
+from trtc.runtime.core.block_manager import BlockManager
+from trtc.runtime.core.sequence import Sequence
 
 BS = 16
-PREFIX = list(range(1000, 1064))   # 64 tokens = 4 full blocks
+PREFIX = list(range(1000, 1064))  # 64 tokens = 4 full blocks
 
 
 def computed(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> Sequence:
@@ -27,15 +28,15 @@ def admit(bm: BlockManager, seq: Sequence) -> Sequence:
 
 def test_allocate_grow_free():
     bm = BlockManager(num_blocks=10, block_size=BS)
-    seq = Sequence("a", list(range(40)))        # 40 tokens -> 3 blocks
+    seq = Sequence("a", list(range(40)))  # 40 tokens -> 3 blocks
     assert bm.allocate(seq, 40)
     assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
     assert bm.num_free_blocks == 7
-    assert bm.ensure_capacity(seq, 48)           # still fits block 3
+    assert bm.ensure_capacity(seq, 48)  # still fits block 3
     assert len(seq.block_table) == 3
     assert bm.ensure_capacity(seq, 49)
     assert len(seq.block_table) == 4 and bm.num_free_blocks == 6
-    assert not bm.ensure_capacity(seq, 49 + 7 * BS)   # needs 7 more, 6 free: nothing taken
+    assert not bm.ensure_capacity(seq, 49 + 7 * BS)  # needs 7 more, 6 free: nothing taken
     assert len(seq.block_table) == 4 and bm.num_free_blocks == 6
     assert bm.can_allocate(6) and not bm.can_allocate(7)
     bm.free(seq)
@@ -57,18 +58,18 @@ def test_shared_prefix_is_reused_across_sequences():
     a = admit(bm, Sequence("a", PREFIX + list(range(10))))
     assert a.num_computed_tokens == 0 and bm.prefix_cache_hits == 0
     computed(bm, a)
-    assert bm.num_cached_blocks == 4              # the 5th block (10 tokens) is not full
+    assert bm.num_cached_blocks == 4  # the 5th block (10 tokens) is not full
 
     b = Sequence("b", PREFIX + list(range(50, 57)))
     cached = bm.cached_prefix_blocks(b)
     assert cached == a.block_table[:4]
     free_before = bm.num_free_blocks
     assert bm.allocate(b, b.num_tokens, cached)
-    assert b.block_table[:4] == a.block_table[:4]            # shared ...
-    assert b.block_table[4] not in a.block_table             # ... and its own tail
+    assert b.block_table[:4] == a.block_table[:4]  # shared ...
+    assert b.block_table[4] not in a.block_table  # ... and its own tail
     assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:4])
     assert bm.blocks[a.block_table[4]].ref_count == 1
-    assert bm.num_free_blocks == free_before - 1             # only the tail block was new
+    assert bm.num_free_blocks == free_before - 1  # only the tail block was new
     assert b.num_computed_tokens == b.num_cached_prefix_tokens == 64
     assert bm.prefix_cache_hits == 64
     assert bm.prefix_cache_queries == a.num_tokens + b.num_tokens
@@ -91,15 +92,15 @@ def test_shared_prefix_is_reused_across_sequences():
 def test_last_prompt_token_is_always_recomputed():
     bm = BlockManager(num_blocks=10, block_size=BS)
     computed(bm, admit(bm, Sequence("a", PREFIX)))
-    b = admit(bm, Sequence("b", list(PREFIX)))    # the very same 64 tokens
-    assert b.num_computed_tokens == 48            # 3 blocks: the last one holds the last token
+    b = admit(bm, Sequence("b", list(PREFIX)))  # the very same 64 tokens
+    assert b.num_computed_tokens == 48  # 3 blocks: the last one holds the last token
     assert b.to_work(b.num_uncomputed_tokens).new_tokens == PREFIX[48:]
 
 
 def test_block_is_registered_only_once_full_and_computed():
     bm = BlockManager(num_blocks=10, block_size=BS)
     a = admit(bm, Sequence("a", PREFIX))
-    computed(bm, a, 40)                            # blocks 0, 1 computed; block 2 half
+    computed(bm, a, 40)  # blocks 0, 1 computed; block 2 half
     assert bm.num_cached_blocks == 2
     assert len(bm.cached_prefix_blocks(Sequence("x", PREFIX))) == 2
     computed(bm, a, 64)
@@ -124,8 +125,8 @@ def test_chain_hash_depends_on_the_whole_prefix():
 
 def test_eviction_takes_least_recently_freed_first():
     bm = BlockManager(num_blocks=8, block_size=BS)
-    a = computed(bm, admit(bm, Sequence("a", list(range(100, 164)) + [0])))   # 5 blocks, 4 cached
-    b = computed(bm, admit(bm, Sequence("b", list(range(200, 232)) + [0])))   # 3 blocks, 2 cached
+    a = computed(bm, admit(bm, Sequence("a", list(range(100, 164)) + [0])))  # 5 blocks, 4 cached
+    b = computed(bm, admit(bm, Sequence("b", list(range(200, 232)) + [0])))  # 3 blocks, 2 cached
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 6
@@ -147,7 +148,7 @@ def test_reviving_cached_blocks_counts_against_the_pool():
     a = computed(bm, admit(bm, Sequence("a", PREFIX + [0])))
     bm.free(a)
     filler = Sequence("f", [9] * BS)
-    assert bm.allocate(filler, BS)                 # takes a's unhashed tail block
+    assert bm.allocate(filler, BS)  # takes a's unhashed tail block
     b = Sequence("b", PREFIX + [1])
     cached = bm.cached_prefix_blocks(b)
     assert len(cached) == 4 and bm.num_free_blocks == 4
@@ -166,7 +167,7 @@ def test_reviving_cached_blocks_counts_against_the_pool():
 def test_duplicate_blocks_computed_concurrently_stay_private():
     bm = BlockManager(num_blocks=12, block_size=BS)
     a = admit(bm, Sequence("a", PREFIX + [0]))
-    b = admit(bm, Sequence("b", PREFIX + [0]))     # admitted before a computed anything: no hit
+    b = admit(bm, Sequence("b", PREFIX + [0]))  # admitted before a computed anything: no hit
     assert b.num_computed_tokens == 0 and set(a.block_table).isdisjoint(b.block_table)
     computed(bm, a)
     computed(bm, b)

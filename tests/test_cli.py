@@ -1,5 +1,6 @@
 """`trtc build` / `trtc inspect` as a user runs them: exit codes, one-line errors, nothing left
 on disk after a failure."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,9 @@ TRTC = [sys.executable, "-m", "trtc"]
 
 def run(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([*TRTC, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+    return subprocess.run(
+        [*TRTC, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
+    )
 
 
 def write_config(tmp_path: Path, text: str) -> Path:
@@ -32,19 +35,48 @@ TINY = "model: {source: tiny, name: tiny-llama}\nprecision: fp32\n"
 def bad_gpt2_checkpoint(tmp_path: Path) -> Path:
     ckpt = tmp_path / "gpt2"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (ckpt / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     return ckpt
 
 
-@pytest.mark.parametrize("case,config,expect", [
-    ("unknown key", TINY + "kv_cache: {block_size: 16, blocksize: 8}\n", "kv_cache.blocksize: unknown key (allowed: block_size, dtype)"),
-    ("wrong type", TINY + "limits: {max_num_seqs: many}\n", "limits.max_num_seqs: Input should be a valid integer"),
-    ("block size", TINY + "kv_cache: {block_size: 24}\n", "kv_cache.block_size: 24 is not a power of two"),
-    ("precision", "model: {source: tiny, name: tiny-llama}\nprecision: fp64\n", "precision: Input should be 'fp16', 'bf16' or 'fp32' (got 'fp64')"),
-    ("missing model file", "model: {source: gguf, path: /nonexistent/model.gguf}\n", "model.path: GGUF file '/nonexistent/model.gguf' does not exist"),
-    ("not yaml", "model: [unclosed\n", "not valid YAML at line"),
-    ("fp8 on ampere", TINY + "quantization: {method: fp8}\nbackend: {name: tensorrt-rtx, targets: [sm86]}\n", "sm86 (ampere) cannot run fp8"),
-])
+@pytest.mark.parametrize(
+    "case,config,expect",
+    [
+        (
+            "unknown key",
+            TINY + "kv_cache: {block_size: 16, blocksize: 8}\n",
+            "kv_cache.blocksize: unknown key (allowed: block_size, dtype)",
+        ),
+        (
+            "wrong type",
+            TINY + "limits: {max_num_seqs: many}\n",
+            "limits.max_num_seqs: Input should be a valid integer",
+        ),
+        (
+            "block size",
+            TINY + "kv_cache: {block_size: 24}\n",
+            "kv_cache.block_size: 24 is not a power of two",
+        ),
+        (
+            "precision",
+            "model: {source: tiny, name: tiny-llama}\nprecision: fp64\n",
+            "precision: Input should be 'fp16', 'bf16' or 'fp32' (got 'fp64')",
+        ),
+        (
+            "missing model file",
+            "model: {source: gguf, path: /nonexistent/model.gguf}\n",
+            "model.path: GGUF file '/nonexistent/model.gguf' does not exist",
+        ),
+        ("not yaml", "model: [unclosed\n", "not valid YAML at line"),
+        (
+            "fp8 on ampere",
+            TINY + "quantization: {method: fp8}\nbackend: {name: tensorrt-rtx, targets: [sm86]}\n",
+            "sm86 (ampere) cannot run fp8",
+        ),
+    ],
+)
 def test_bad_config_fails_with_one_line(tmp_path, case, config, expect):
     out = tmp_path / "out"
     r = run("build", str(write_config(tmp_path, config)), "--output", str(out))
@@ -64,7 +96,12 @@ def test_missing_config_file(tmp_path):
 def test_unsupported_architecture_lists_supported(tmp_path):
     ckpt = bad_gpt2_checkpoint(tmp_path)
     out = tmp_path / "out"
-    r = run("build", str(write_config(tmp_path, f"model: {{source: hf, path: {ckpt}}}\n")), "-o", str(out))
+    r = run(
+        "build",
+        str(write_config(tmp_path, f"model: {{source: hf, path: {ckpt}}}\n")),
+        "-o",
+        str(out),
+    )
     assert r.returncode == 1
     err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(err) == 1
@@ -102,11 +139,14 @@ def test_interrupt_leaves_nothing(tmp_path):
     out = tmp_path / "art"
     # A shell without job control starts background jobs with SIGINT ignored, and the child
     # would inherit that: give it the default disposition, as an interactive terminal does.
-    proc = subprocess.Popen([*TRTC, "build", str(write_config(tmp_path, TINY)), "-o", str(out)],
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [*TRTC, "build", str(write_config(tmp_path, TINY)), "-o", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     for line in proc.stderr:
-        if "export" in line:           # the export stage has started
+        if "export" in line:  # the export stage has started
             break
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
@@ -128,16 +168,27 @@ def test_inspect_shows_what_is_inside(tiny_artifacts):
     r = run("inspect", str(tiny_artifacts["tiny-qwen2"]))
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    for fact in ("Qwen2ForCausalLM", "2 layers", "fp32", "trtc::PagedAttention", "rmsnorm", "rotary",
-                 "swiglu", "bytes/token", "weights", "paged, block 16 tokens"):
+    for fact in (
+        "Qwen2ForCausalLM",
+        "2 layers",
+        "fp32",
+        "trtc::PagedAttention",
+        "rmsnorm",
+        "rotary",
+        "swiglu",
+        "bytes/token",
+        "weights",
+        "paged, block 16 tokens",
+    ):
         assert fact in text, fact
-    assert "1,024 bytes/token" in text     # 2 (K,V) x 2 layers x 4 KV heads x 16 dims x 4 bytes
+    assert "1,024 bytes/token" in text  # 2 (K,V) x 2 layers x 4 KV heads x 16 dims x 4 bytes
     as_json = json.loads(run("inspect", "--json", str(tiny_artifacts["tiny-qwen2"])).stdout)
     assert as_json["model"]["architecture"] == "Qwen2ForCausalLM"
 
 
 def test_inspect_refuses_tampered_artifact(tiny_artifacts, tmp_path):
     import shutil
+
     art = tmp_path / "copy"
     shutil.copytree(tiny_artifacts["tiny-llama"], art)
     with open(art / "model.onnx.data", "r+b") as f:
@@ -153,6 +204,7 @@ def test_tensorrt_backend_without_tensorrt_says_how_to_install(tmp_path):
     pytest.importorskip("tensorrt_rtx")
     try:
         import tensorrt  # noqa: F401
+
         pytest.skip("full TensorRT is installed here")
     except ImportError:
         pass
@@ -161,16 +213,21 @@ def test_tensorrt_backend_without_tensorrt_says_how_to_install(tmp_path):
     r = run("build", str(cfg), "-o", str(out))
     assert r.returncode == 2
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "pip install tensorrt-cu12" in lines[0] and "tensorrt-rtx" in lines[0]
+    assert (
+        len(lines) == 1 and "pip install tensorrt-cu12" in lines[0] and "tensorrt-rtx" in lines[0]
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 
 def test_rtx_build_records_engines_and_inspect_lists_them(tmp_path):
     pytest.importorskip("tensorrt_rtx")
     out = tmp_path / "art"
-    cfg = write_config(tmp_path, "model: {source: tiny, name: tiny-qwen2}\nprecision: fp16\n"
-                       "limits: {max_num_tokens: 64, max_num_seqs: 4, max_seq_len: 128}\n"
-                       "backend: {name: tensorrt-rtx, targets: [sm86, sm89]}\n")
+    cfg = write_config(
+        tmp_path,
+        "model: {source: tiny, name: tiny-qwen2}\nprecision: fp16\n"
+        "limits: {max_num_tokens: 64, max_num_seqs: 4, max_seq_len: 128}\n"
+        "backend: {name: tensorrt-rtx, targets: [sm86, sm89]}\n",
+    )
     r = run("build", str(cfg), "-o", str(out))
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "manifest.json").read_text())
@@ -180,6 +237,7 @@ def test_rtx_build_records_engines_and_inspect_lists_them(tmp_path):
     text = run("inspect", str(out)).stdout
     assert "sm86 (cc 8.6)" in text and "sm89 (cc 8.9)" in text and "tensorrt-rtx" in text
     import torch
+
     if not torch.cuda.is_available():
         assert text.count("no: this host has no GPU") == 2
 
@@ -187,7 +245,11 @@ def test_rtx_build_records_engines_and_inspect_lists_them(tmp_path):
 def test_rtx_refuses_hopper_target_before_work(tmp_path):
     pytest.importorskip("tensorrt_rtx")
     out = tmp_path / "out"
-    r = run("build", str(write_config(tmp_path, TINY + "backend: {name: tensorrt-rtx, targets: [sm90]}\n")),
-            "-o", str(out))
+    r = run(
+        "build",
+        str(write_config(tmp_path, TINY + "backend: {name: tensorrt-rtx, targets: [sm90]}\n")),
+        "-o",
+        str(out),
+    )
     assert r.returncode == 2 and "sm90" in r.stderr and "it supports" in r.stderr
     assert not out.exists()

@@ -1,5 +1,6 @@
 """The engine without HTTP: the offline API against transformers, the torch executor against
 the onnxruntime reference, artifact checks, and the `generate` / `bench` commands."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from trtc.compiler.errors import ArtifactError
+from harness.onnx_reference import OnnxReferenceRunner
+from trtc.artifact import Artifact
 from trtc.compiler.tiny import tiny_model
+from trtc.contract import SequenceWork, make_step
+from trtc.errors import ArtifactError
+from trtc.runtime.core.sequence import SamplingParams
 from trtc.runtime.engine import LLM, EngineConfig, LLMEngine, RequestError
-from trtc.runtime.onnx_reference import OnnxReferenceRunner
-from trtc.runtime.sequence import SamplingParams
-from trtc.runtime.step import SequenceWork, make_step
-from trtc.runtime.torch_executor import TorchExecutor
+from trtc.runtime.executors.torch_executor import TorchExecutor
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
@@ -25,13 +27,21 @@ def test_offline_generate_matches_transformers_greedy(tiny_artifacts, name):
     hf = tiny_model(name, seed=0)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 37, 20, 60)]
-    llm = LLM(tiny_artifacts[name], num_blocks=64, max_num_batched_tokens=48)   # forces chunked prefill
+    llm = LLM(
+        tiny_artifacts[name], num_blocks=64, max_num_batched_tokens=48
+    )  # forces chunked prefill
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            ids = torch.tensor([prompt])   # an explicit mask: token 0 in a prompt is not padding
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            ids = torch.tensor([prompt])  # an explicit mask: token 0 in a prompt is not padding
+            want = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert out.token_ids == want
         assert out.finish_reason == "length"
     assert llm.engine.block_manager.num_free_blocks == 64
@@ -39,10 +49,12 @@ def test_offline_generate_matches_transformers_greedy(tiny_artifacts, name):
 
 def test_torch_executor_matches_onnxruntime_reference(tiny_artifacts):
     art = tiny_artifacts["tiny-qwen2"]
-    torch_exec = TorchExecutor(art, num_blocks=16)
+    torch_exec = TorchExecutor(Artifact.open(art), num_blocks=16)
     ort_exec = OnnxReferenceRunner(art, num_blocks=16)
-    steps = [[SequenceWork(list(range(10, 40)), 0, [3, 7])],
-             [SequenceWork([5], 30, [3, 7]), SequenceWork(list(range(50, 70)), 0, [1, 2])]]
+    steps = [
+        [SequenceWork(list(range(10, 40)), 0, [3, 7])],
+        [SequenceWork([5], 30, [3, 7]), SequenceWork(list(range(50, 70)), 0, [1, 2])],
+    ]
     for work in steps:
         a = torch_exec.execute(make_step(work, 16)).numpy()
         b = ort_exec.step(work)
@@ -58,21 +70,27 @@ def test_requests_join_mid_flight(tiny_artifacts):
     finished = []
     for _ in range(3):
         finished += [o.request_id for o in engine.step() if o.finished]
-    short_id = engine.add_request("hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    short_id = engine.add_request(
+        "hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    )
     engine.step()
-    assert engine.last_step["prefill_seqs"] == 1 and engine.last_step["decode_seqs"] == 1
+    assert engine.last_step.prefill_seqs == 1 and engine.last_step.decode_seqs == 1
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == [short_id, long_id]
-    assert engine.stats["mixed_steps"] >= 1
+    assert engine.stats().counters.mixed_steps >= 1
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_artifacts):
     llm = LLM(tiny_artifacts["tiny-llama"], num_blocks=64)
-    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     alone = llm.generate(["seeded"], p)[0].token_ids
-    batched = llm.generate(["other", "seeded", "third"],
-                           [SamplingParams(max_tokens=16, temperature=1.0), p, SamplingParams(max_tokens=5)])[1].token_ids
+    batched = llm.generate(
+        ["other", "seeded", "third"],
+        [SamplingParams(max_tokens=16, temperature=1.0), p, SamplingParams(max_tokens=5)],
+    )[1].token_ids
     assert alone == batched
     other_seed = llm.generate(["seeded"], SamplingParams(**{**p.__dict__, "seed": 99}))[0].token_ids
     assert other_seed != alone
@@ -107,8 +125,21 @@ def test_engine_refuses_tampered_or_too_new_artifact(tiny_artifacts, tmp_path):
 
 
 def test_generate_command_streams(tiny_artifacts):
-    r = subprocess.run([sys.executable, "-m", "trtc", "generate", str(tiny_artifacts["tiny-llama"]), "hello",
-                        "-n", "12"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtc",
+            "generate",
+            str(tiny_artifacts["tiny-llama"]),
+            "hello",
+            "-n",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "12 tokens, finish reason: length" in r.stderr
     llm = LLM(tiny_artifacts["tiny-llama"], num_blocks=16)
@@ -118,9 +149,29 @@ def test_generate_command_streams(tiny_artifacts):
 
 def test_bench_command_reports_both_modes(tiny_artifacts, tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "trtc", "bench", str(tiny_artifacts["tiny-llama"]), "-n", "12",
-                        "--prompt-len", "8:40", "--output-len", "4:24", "--concurrency", "4", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, env={"COLUMNS": "120", **__import__("os").environ})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtc",
+            "bench",
+            str(tiny_artifacts["tiny-llama"]),
+            "-n",
+            "12",
+            "--prompt-len",
+            "8:40",
+            "--output-len",
+            "4:24",
+            "--concurrency",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"COLUMNS": "120", **__import__("os").environ},
+    )
     assert r.returncode == 0, r.stderr
     assert "inflight / static:" in r.stdout and "TTFT ms p50" in r.stdout
     result = json.loads(out.read_text())
@@ -134,10 +185,11 @@ def test_bench_command_reports_both_modes(tiny_artifacts, tmp_path):
 
 def test_incremental_detokenizer_matches_full_decode():
     from trtc.compiler.tiny import byte_tokenizer
-    from trtc.runtime.detokenizer import IncrementalDetokenizer
+    from trtc.runtime.engine.output_processor import IncrementalDetokenizer
+
     tok = byte_tokenizer()
     ids = tok("naïve café — 東京 🙂 done", add_special_tokens=False)["input_ids"]
-    assert len(ids) > 20                     # multi-byte characters span several tokens
+    assert len(ids) > 20  # multi-byte characters span several tokens
     inc = IncrementalDetokenizer(tok)
     pieces = [inc.update(ids[:n]) for n in range(1, len(ids) + 1)]
     assert "".join(pieces) == inc.text == tok.decode(ids)

@@ -2,13 +2,15 @@
 recipe's arithmetic is checked here on the CPU where this torch build runs ``_scaled_mm`` on
 CPU tensors; the dispatch, the recipe a GPU accepts and the fallback shapes run on a GPU (marker
 `gpu`)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from trtc.plugins.fp8_gemm import cuda, fp8_gemm
-from trtc.plugins.fp8_gemm.reference import E4M3_MAX, fp8_gemm as reference, to_fp8
+from trtc.plugins.fp8_gemm.reference import E4M3_MAX, to_fp8
+from trtc.plugins.fp8_gemm.reference import fp8_gemm as reference
 
 REL_TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 # Hopper's FP8 matrix units keep partial sums in less than fp32 precision, whatever the output
@@ -73,8 +75,8 @@ def test_cpu_tensors_take_the_reference():
 
 # --- on a GPU -------------------------------------------------------------------------------
 
-SHAPES = [(1, 4096, 4096), (7, 4096, 11008), (16, 11008, 4096), (300, 2048, 2048)]   # T, K, N
-ODD_SHAPES = [(5, 100, 64), (3, 64, 24), (1, 72, 40)]        # K or N not a multiple of 16
+SHAPES = [(1, 4096, 4096), (7, 4096, 11008), (16, 11008, 4096), (300, 2048, 2048)]  # T, K, N
+ODD_SHAPES = [(5, 100, 64), (3, 64, 24), (1, 72, 40)]  # K or N not a multiple of 16
 
 
 @pytest.mark.gpu
@@ -84,15 +86,20 @@ def test_gpu_scaled_mm_matches_reference(tokens, k, n, dtype):
     bias = tokens % 2 == 1
     x, w, ws, s_in, b = make_layer(tokens, k, n, dtype, bias, seed=tokens, device="cuda")
     kw = dict(in_features=k, out_features=n)
-    got = fp8_gemm(x, w, ws, s_in, b, **kw)                     # the plugin's dispatch
+    got = fp8_gemm(x, w, ws, s_in, b, **kw)  # the plugin's dispatch
     assert got.device.type == "cuda" and got.dtype == dtype and not torch.isnan(got).any()
     if cuda.has_fp8_matmul(x.device):
         recipe = cuda.recipe_for(x, b)
         print(f"{dtype} bias={bias}: recipe {recipe}")
         assert recipe in cuda.RECIPES, "torch._scaled_mm took none of the recipes"
     tol = max(REL_TOL[dtype], FP8_MMA_REL_TOL) if cuda.uses_scaled_mm(x, w) else REL_TOL[dtype]
-    e_exact, e_ref = rel_err(got, exact(x, w, ws, s_in, b)), rel_err(got, reference(x, w, ws, s_in, b, **kw))
-    print(f"{dtype} T={tokens} K={k} N={n}: rel err {e_exact:.2e} vs fp64, {e_ref:.2e} vs the reference")
+    e_exact, e_ref = (
+        rel_err(got, exact(x, w, ws, s_in, b)),
+        rel_err(got, reference(x, w, ws, s_in, b, **kw)),
+    )
+    print(
+        f"{dtype} T={tokens} K={k} N={n}: rel err {e_exact:.2e} vs fp64, {e_ref:.2e} vs the reference"
+    )
     assert e_exact < tol, f"rel err {e_exact:.2e} vs the fp64 formula"
     # Against the reference's fp32 arithmetic by METHOD.md's norm: elementwise, Hopper's FP8
     # matrix units (reduced-precision partial sums) differ by a few output ulps here and there.
@@ -125,7 +132,7 @@ def test_gpu_leading_dims_and_cuda_graph():
     x, w, ws, s_in, b = make_layer(6, 512, 256, torch.float16, True, seed=10, device="cuda")
     x = x.view(2, 3, 512)
     kw = dict(in_features=512, out_features=256)
-    eager = fp8_gemm(x, w, ws, s_in, b, **kw)                   # first call picks the recipe
+    eager = fp8_gemm(x, w, ws, s_in, b, **kw)  # first call picks the recipe
     assert eager.shape == (2, 3, 256)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

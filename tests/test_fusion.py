@@ -1,16 +1,19 @@
-"""The CUDA executor's kernel fusion (runtime/fusion.py): the fused node list computes what the
+"""The CUDA executor's kernel fusion (runtime/executors/fusions/): the fused node list computes what the
 compiled graph computes. Without a GPU the fused Triton kernels run in Triton's CPU interpreter."""
+
 from __future__ import annotations
 
+import onnx
 import pytest
 import torch
 
-import onnx
-
-from trtc.runtime.fusion import fuse
-from trtc.runtime.step import SequenceWork, make_step
-from trtc.runtime.torch_executor import TorchExecutor, _attrs as node_attrs
-from trtc.runtime.torch_ops import GraphNode
+from trtc.artifact import Artifact
+from trtc.contract import SequenceWork, make_step
+from trtc.runtime.executors.fusions import RUNTIME_OPS, fuse
+from trtc.runtime.executors.graph import GraphNode
+from trtc.runtime.executors.torch_executor import TorchExecutor
+from trtc.runtime.executors.torch_executor import _attrs as node_attrs
+from trtc.runtime.executors.torch_ops import ONNX_OPS
 
 pytest.importorskip("triton", reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,6 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 class FusedExecutor(TorchExecutor):
     """The torch executor running the fused node list (as the CUDA executor does)."""
+
+    ops = {**ONNX_OPS, **RUNTIME_OPS}
 
     def rewrite(self, graph):
         fused, self.fusions = fuse(graph, self.constants, self.graph_outputs)
@@ -28,18 +33,27 @@ def run_steps(ex, steps):
     return [ex.execute(make_step(w, 16)).float().cpu() for w in steps]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])      # GQA; MQA with a sliding window
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])  # GQA; MQA with a sliding window
 def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
     art = tiny_artifacts[name]
-    plain, fused = TorchExecutor(art, 16, DEVICE), FusedExecutor(art, 16, DEVICE)
+    plain, fused = (
+        TorchExecutor(Artifact.open(art), 16, DEVICE),
+        FusedExecutor(Artifact.open(art), 16, DEVICE),
+    )
     # 2 layers: q/k/v rotary + cache write per layer; every residual Add feeds a norm but the
     # last; the gate/up projection and its SwiGLU per layer.
-    assert fused.fusions == {"qkv_rotary_cache_write": 2, "add_rms_norm": 3, "gemm_swiglu": 2,
-                             "int4_fragment": 0}
+    assert fused.fusions == {
+        "qkv_rotary_cache_write": 2,
+        "add_rms_norm": 3,
+        "gemm_swiglu": 2,
+        "int4_fragment": 0,
+    }
     assert len(fused.nodes) == len(plain.nodes) - 2 * 6 - 3 - 2
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
-    steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]
+    steps += [
+        [SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)
+    ]
     for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused.kv_pool.cpu(), plain.kv_pool.cpu(), atol=1e-5, rtol=1e-5)
@@ -51,14 +65,23 @@ def tiny_int4_fp16(tmp_path_factory):
     the fragment layout, down (K = 160, no multiple of 64) does not."""
     from conftest import build_quiet
     from trtc.compiler.config import parse_config
-    cfg = parse_config({"model": {"source": "tiny", "name": "tiny-llama"}, "precision": "fp16",
-                        "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
-                        "quantization": {"method": "rtn", "group_size": 64, "partial_groups": True}})
+
+    cfg = parse_config(
+        {
+            "model": {"source": "tiny", "name": "tiny-llama"},
+            "precision": "fp16",
+            "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
+            "quantization": {"method": "rtn", "group_size": 64, "partial_groups": True},
+        }
+    )
     return build_quiet(cfg, tmp_path_factory.mktemp("int4") / "tiny-llama-rtn")
 
 
 def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
-    plain, fused = TorchExecutor(tiny_int4_fp16, 16, DEVICE), FusedExecutor(tiny_int4_fp16, 16, DEVICE)
+    plain, fused = (
+        TorchExecutor(Artifact.open(tiny_int4_fp16), 16, DEVICE),
+        FusedExecutor(Artifact.open(tiny_int4_fp16), 16, DEVICE),
+    )
     assert fused.fusions["int4_fragment"] == 6
     added = {n for n in fused.constants if ".fragment" in n}
     assert len(added) == 12 and not added & set(plain.constants)
@@ -69,29 +92,40 @@ def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
 
     def nbytes(ex, names):
         return sum(ex.constants[n].numel() * ex.constants[n].element_size() for n in names)
+
     # words: the packed bytes; records: 4 bytes a row and group where scales and zeros take 3
     assert nbytes(fused, {n for n in added if n.endswith("words")}) == nbytes(
-        plain, {n for n in dropped if n.endswith("qweight")})
+        plain, {n for n in dropped if n.endswith("qweight")}
+    )
     assert 3 * nbytes(fused, {n for n in added if n.endswith("records")}) == 4 * nbytes(
-        plain, {n for n in dropped if not n.endswith("qweight")})
+        plain, {n for n in dropped if not n.endswith("qweight")}
+    )
     ops = [n[0] for n in fused.nodes]
-    from trtc.runtime.fusion import _int4_gemm_fragment
-    assert ops.count(_int4_gemm_fragment) == 6
+    from trtc.runtime.executors.fusions.int4_fragment import int4_gemm_fragment
+
+    assert ops.count(int4_gemm_fragment) == 6
     # A prefill of 57 tokens (dequantized weights and a matmul), then decode steps of 2 (the
     # fragment kernel).
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
-    steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]
+    steps += [
+        [SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)
+    ]
     for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
 
 
 def test_unmatched_patterns_are_left_alone(tiny_artifacts):
     # A q projection also read by another node must keep its own rotary: that layer is not fused.
-    ex = TorchExecutor(tiny_artifacts["tiny-llama"], 16)
+    ex = TorchExecutor(Artifact.open(tiny_artifacts["tiny-llama"]), 16)
     model = onnx.load(str(tiny_artifacts["tiny-llama"] / "model.onnx"), load_external_data=False)
-    nodes = [GraphNode((n.domain, n.op_type), list(n.input), list(n.output), {}) for n in model.graph.node]
-    nodes = [n._replace(attrs=dict(a)) for n, a in zip(nodes, (node_attrs(m) for m in model.graph.node))]
+    nodes = [
+        GraphNode((n.domain, n.op_type), list(n.input), list(n.output), {})
+        for n in model.graph.node
+    ]
+    nodes = [
+        n._replace(attrs=dict(a)) for n, a in zip(nodes, (node_attrs(m) for m in model.graph.node))
+    ]
     split = next(i for i, n in enumerate(nodes) if n.op == ("", "Split"))
     nodes.append(GraphNode(("", "Identity"), [nodes[split].outputs[0]], ["extra"], {}))
     fused, counts = fuse(nodes, ex.constants, ex.graph_outputs | {"extra"})
@@ -104,24 +138,33 @@ def test_unmatched_patterns_are_left_alone(tiny_artifacts):
 def test_cuda_executor_fused_matches_unfused(tmp_path_factory, kv_dtype, int4):
     from conftest import build_quiet
     from trtc.compiler.config import parse_config
-    from trtc.runtime.cuda_executor import CudaExecutor
+    from trtc.runtime.executors.cuda_executor import CudaExecutor
+
     quant = {"calibration": {"num_samples": 4, "seq_len": 64}}
     if int4:
         quant.update(method="rtn", group_size=64, partial_groups=True)
-    cfg = parse_config({"model": {"source": "tiny", "name": "tiny-llama"}, "precision": "fp16",
-                        "kv_cache": {"dtype": kv_dtype}, "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
-                        "quantization": quant})
+    cfg = parse_config(
+        {
+            "model": {"source": "tiny", "name": "tiny-llama"},
+            "precision": "fp16",
+            "kv_cache": {"dtype": kv_dtype},
+            "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
+            "quantization": quant,
+        }
+    )
     art = build_quiet(cfg, tmp_path_factory.mktemp("fusion") / f"{kv_dtype}-{int4}")
-    plain = CudaExecutor(art, 64, fuse_kernels=False)
-    fused = CudaExecutor(art, 64)
-    if int4:     # the decode graphs run the fragment kernel: q/k/v, o and gate/up of 2 layers
+    plain = CudaExecutor(Artifact.open(art), 64, fuse_kernels=False)
+    fused = CudaExecutor(Artifact.open(art), 64)
+    if int4:  # the decode graphs run the fragment kernel: q/k/v, o and gate/up of 2 layers
         assert fused.fusions["int4_fragment"] == 6 and fused.fusions["gemm_swiglu"] == 0
     else:
         assert fused.fusions["qkv_rotary_cache_write"] == 2 and fused.fusions["gemm_swiglu"] == 2
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
-    steps += [[SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(4)]
-    for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):   # decode steps replay graphs
+    steps += [
+        [SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(4)
+    ]
+    for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):  # decode steps replay graphs
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     a, b = plain.kv_pool.float(), fused.kv_pool.float()
     # The two rotary spellings may round apart (fp16, or an E4M3 step): close, by METHOD.md's

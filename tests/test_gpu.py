@@ -1,28 +1,31 @@
 """GPU execution (marker `gpu`; skipped without CUDA): the CUDA executor (Triton kernels, CUDA
 graphs) against the CPU torch executor on the same compiled graph."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from trtc.artifact import Artifact
+from trtc.contract import SequenceWork, make_step
+from trtc.runtime.core.sequence import SamplingParams
 from trtc.runtime.engine import LLM
-from trtc.runtime.sequence import SamplingParams
-from trtc.runtime.step import SequenceWork, make_step
-from trtc.runtime.torch_executor import TorchExecutor
+from trtc.runtime.executors.torch_executor import TorchExecutor
 
 pytestmark = pytest.mark.gpu
 
 
 def test_cuda_executor_matches_cpu(tiny_artifacts):
-    from trtc.runtime.cuda_executor import CudaExecutor
+    from trtc.runtime.executors.cuda_executor import CudaExecutor
+
     art = tiny_artifacts["tiny-llama"]
-    cpu = TorchExecutor(art, num_blocks=64)
-    gpu = CudaExecutor(art, num_blocks=64)
+    cpu = TorchExecutor(Artifact.open(art), num_blocks=64)
+    gpu = CudaExecutor(Artifact.open(art), num_blocks=64)
     assert gpu.graphs, "decode graphs were captured"
     prompts = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
     tables = [[0, 1, 2, 3], [10, 11, 12], [20, 21]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
-    for i in range(5):                                   # decode steps: graph replays
+    for i in range(5):  # decode steps: graph replays
         steps.append([SequenceWork([7 + i], len(p) + i, t) for p, t in zip(prompts, tables)])
     for work in steps:
         step = make_step(work, 16)
@@ -50,7 +53,7 @@ def test_async_scheduling_on_the_gpu_gives_the_same_tokens(tiny_artifacts):
     for on in (False, True):
         llm = LLM(tiny_artifacts["tiny-llama"], executor="cuda", num_blocks=64, async_scheduling=on)
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
-        assert (llm.engine.stats["ahead_steps"] > 0) == on
+        assert (llm.engine.stats().counters.ahead_steps > 0) == on
         assert llm.engine.block_manager.num_free_blocks == 64
     assert runs[0] == runs[1]
     assert [len(t) for t in runs[1]] == [30, 5, 17, 9]

@@ -1,17 +1,18 @@
 """Structure of compiled graphs: fusions, plugin nodes, I/O contract, strong typing."""
+
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-import numpy as np
 import pytest
 
-from trtc.compiler import contract
-from trtc.compiler.artifact import read_manifest
-from trtc.compiler.errors import BuildError
+from trtc import contract
+from trtc.artifact import read_manifest
 from trtc.compiler.passes.attention import check_attention
+from trtc.errors import BuildError
 
 
 def op_counts(path) -> Counter:
@@ -31,10 +32,16 @@ def check_structure(artifact, num_layers):
     for unfused in ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Sigmoid", "Sub", "Concat"):
         assert ops[unfused] == 0, f"{unfused} left in the graph"
     m = read_manifest(artifact)
-    report = m["fusions"]
+    report = m.fusions
     for layer in range(num_layers):
-        assert report["per_layer"][str(layer)] == {"rmsnorm": 2, "rotary": 2, "qkv_gemm": 1,
-                                                   "gate_up_gemm": 1, "swiglu": 1, "paged_attention": 1}
+        assert report["per_layer"][str(layer)] == {
+            "rmsnorm": 2,
+            "rotary": 2,
+            "qkv_gemm": 1,
+            "gate_up_gemm": 1,
+            "swiglu": 1,
+            "paged_attention": 1,
+        }
     assert report["final"] == {"rmsnorm": 1}
     return m
 
@@ -47,9 +54,9 @@ def test_tiny_graph_structure(tiny_artifacts, name):
 @pytest.mark.slow
 def test_smollm2_graph_structure(smollm2_fp32):
     m = check_structure(smollm2_fp32, 30)
-    assert m["model"]["num_layers"] == 30 and m["model"]["num_kv_heads"] == 3
-    assert m["kv_cache"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
-    assert m["plugins"][0]["op_type"] == "PagedAttention" and m["plugins"][0]["num_nodes"] == 30
+    assert m.model.num_layers == 30 and m.model.num_kv_heads == 3
+    assert m.kv_cache.bytes_per_token == 2 * 30 * 3 * 64 * 4
+    assert m.plugins[0]["op_type"] == "PagedAttention" and m.plugins[0]["num_nodes"] == 30
 
 
 def test_io_matches_contract(tiny_artifacts):
@@ -60,20 +67,25 @@ def test_io_matches_contract(tiny_artifacts):
     def shape(v):
         return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
 
-    assert [(v.name, shape(v)) for v in model.graph.input] == [(t["name"], t["shape"]) for t in m["io"]["inputs"]]
-    assert [(v.name, shape(v)) for v in model.graph.output] == [(t["name"], t["shape"]) for t in m["io"]["outputs"]]
-    assert list(contract.STEP_INPUTS) == [t["name"] for t in m["io"]["inputs"]][:7]
+    assert [(v.name, shape(v)) for v in model.graph.input] == [
+        (t.name, t.shape) for t in m.io.inputs
+    ]
+    assert [(v.name, shape(v)) for v in model.graph.output] == [
+        (t.name, t.shape) for t in m.io.outputs
+    ]
+    assert list(contract.STEP_INPUTS) == [t.name for t in m.io.inputs][:7]
     # Each plugin node writes its layer's cache straight to the graph output that aliases the input.
     for node in model.graph.node:
         if node.op_type == "PagedAttention":
             layer = int(node.input[3].split(".")[1])
             assert node.output[1] == contract.kv_output_name(layer)
-            assert m["io"]["aliases"][node.output[1]] == node.input[3]
+            assert m.io.aliases[node.output[1]] == node.input[3]
 
 
 def test_fp16_build_is_strongly_typed(tmp_path):
     from conftest import build_quiet
     from trtc.compiler.config import parse_config
+
     cfg = parse_config({"model": {"source": "tiny", "name": "tiny-qwen2"}, "precision": "fp16"})
     out = build_quiet(cfg, tmp_path / "fp16")
     model = onnx.load(str(out / "model.onnx"))
@@ -91,8 +103,11 @@ def test_fp16_build_is_strongly_typed(tmp_path):
 def test_unfused_attention_is_a_build_error():
     x = gs.Variable("x", dtype=np.float32, shape=[4, 4])
     y = gs.Variable("y", dtype=np.float32, shape=[4, 4])
-    graph = gs.Graph(nodes=[gs.Node("Softmax", name="attn.softmax", inputs=[x], outputs=[y])],
-                     inputs=[x], outputs=[y])
+    graph = gs.Graph(
+        nodes=[gs.Node("Softmax", name="attn.softmax", inputs=[x], outputs=[y])],
+        inputs=[x],
+        outputs=[y],
+    )
     with pytest.raises(BuildError, match="attention not fused.*Softmax"):
         check_attention(graph, 1)
     graph = gs.Graph(nodes=[], inputs=[x], outputs=[x])

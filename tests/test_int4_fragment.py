@@ -2,22 +2,24 @@
 its weight layout on the CPU, the kernel in Triton's CPU interpreter at small sizes (the portable
 version of the same addressing and sums), and on a GPU (marker `gpu`) the inline-PTX mma
 kernel at the Llama-7B projection sizes."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trtc.plugins.int4_gemm.reference import dequantize, pack_int4, unpack_int4
+from trtc.plugins.int4_gemm.reference import dequantize, unpack_int4
 
-fragment_kernel = pytest.importorskip("trtc.plugins.int4_gemm.fragment_kernel",
-                                      reason="triton is not installed")
+fragment_kernel = pytest.importorskip(
+    "trtc.plugins.int4_gemm.fragment_kernel", reason="triton is not installed"
+)
 from test_int4_gemm_triton import DEVICE, make_layer  # noqa: E402
 
 
 def decode_words(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The 4-bit values ``[N, K]`` of a fragment layout, by the module docstring's rule
     (row = 16 r + g + 8 (m & 1), col = 64 b + 16 c + 4 u + 2 ((m >> 1) & 1) + (m >> 2))."""
-    w = words.to(torch.int64) & 0xFFFFFFFF                      # [r, b, lane, u]
+    w = words.to(torch.int64) & 0xFFFFFFFF  # [r, b, lane, u]
     out = torch.empty(n, k, dtype=torch.int64)
     r, b, lane, u, m = torch.meshgrid(*(torch.arange(s) for s in (*w.shape, 8)), indexing="ij")
     g, c = lane // 4, lane % 4
@@ -47,9 +49,14 @@ def test_fragment_layout_holds_every_weight_once(dtype):
     assert fw.nbytes == qweight.numel() + n * (k // group) * 4
 
 
-@pytest.mark.parametrize("n, k, group, why", [
-    (40, 256, 128, "out_features 40"), (32, 320, 128, "in_features 320"),
-    (32, 256, 32, "group size 32")])
+@pytest.mark.parametrize(
+    "n, k, group, why",
+    [
+        (40, 256, 128, "out_features 40"),
+        (32, 320, 128, "in_features 320"),
+        (32, 256, 32, "group size 32"),
+    ],
+)
 def test_fragment_layout_refuses_what_the_kernel_cannot_take(n, k, group, why):
     qweight, scales, zeros, _ = make_layer(n, k, group, torch.float16, False, seed=0, device="cpu")
     assert why in fragment_kernel.fragment_supports(n, k, group)
@@ -63,7 +70,7 @@ def test_fragment_plan_follows_the_measurements():
     assert plan(1, 4096, 4096, 128).warps_k == 4
     assert plan(8, 11008, 4096, 128).warps_k == 4
     assert plan(1, 4096, 11008, 128).warps_k == 8
-    assert plan(1, 4096, 12288, 128).warps_k == 8          # 96 steps a lane: the most
+    assert plan(1, 4096, 12288, 128).warps_k == 8  # 96 steps a lane: the most
     # two mma's: a lane's share at most 48 steps, except on layers of many tiles
     assert plan(16, 4096, 4096, 128).warps_k == 8
     assert plan(16, 11008, 4096, 128).warps_k == 4
@@ -98,12 +105,15 @@ def run(tokens, n, k, group, bias, plan=None, seed=0, dtype=torch.float16):
 
 # Small enough for the interpreter: a warp with no groups (2 groups, 4 warps), a tile past N
 # (3 tiles, 2 a program), odd token counts, the second mma's tokens, group 64 and 256.
-@pytest.mark.parametrize("tokens, n, k, group, bias, plan", [
-    (1, 32, 256, 128, False, None),
-    (3, 48, 256, 128, True, fragment_kernel.FragmentPlan(tiles=2, warps_k=4)),
-    (5, 16, 512, 64, False, fragment_kernel.FragmentPlan(tiles=1, warps_k=2)),
-    (11, 32, 512, 256, True, None),
-])
+@pytest.mark.parametrize(
+    "tokens, n, k, group, bias, plan",
+    [
+        (1, 32, 256, 128, False, None),
+        (3, 48, 256, 128, True, fragment_kernel.FragmentPlan(tiles=2, warps_k=4)),
+        (5, 16, 512, 64, False, fragment_kernel.FragmentPlan(tiles=1, warps_k=2)),
+        (11, 32, 512, 256, True, None),
+    ],
+)
 def test_fragment_kernel_matches_reference(tokens, n, k, group, bias, plan):
     assert run(tokens, n, k, group, bias, plan) < 1e-3
 
@@ -118,7 +128,7 @@ def test_fragment_matmul_takes_x_in_another_dtype():
     qweight, scales, zeros, b = make_layer(32, 256, 128, torch.float16, True, 0)
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
     x = torch.randn(3, 256, device=DEVICE)[:, ::1]
-    got = fragment_kernel.fragment_matmul(x.t().contiguous().t(), fw, b)     # non-contiguous x
+    got = fragment_kernel.fragment_matmul(x.t().contiguous().t(), fw, b)  # non-contiguous x
     want = x.double() @ dequantize(qweight, scales, zeros, 128).double().T + b.double()
     assert got.dtype == torch.float32
     assert float((got.double() - want).norm() / want.norm()) < 1e-5
@@ -139,7 +149,7 @@ def matmul_error(tokens, n, k, group, bias, seed=0, dtype=torch.float16):
     got_w = fragment_kernel.fragment_dequantize(fw)
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         # Triton's CPU interpreter truncates fp32 to bf16 (the GPU rounds to nearest): one ulp
-        torch.testing.assert_close(got_w, w.to(dtype), rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(got_w, w.to(dtype), rtol=2**-7, atol=0)
     else:
         assert torch.equal(got_w, w.to(dtype))
     g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
@@ -152,21 +162,28 @@ def matmul_error(tokens, n, k, group, bias, seed=0, dtype=torch.float16):
 
 # Several tiles and blocks, a last program with blocks past K (K = 640: 10 blocks, 8 a
 # program), groups of 64, 128 and 256, fp16 and bf16.
-@pytest.mark.parametrize("tokens, n, k, group, bias, dtype", [
-    (20, 48, 640, 128, True, torch.float16), (34, 32, 512, 64, False, torch.float16),
-    (18, 16, 1024, 256, True, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "tokens, n, k, group, bias, dtype",
+    [
+        (20, 48, 640, 128, True, torch.float16),
+        (34, 32, 512, 64, False, torch.float16),
+        (18, 16, 1024, 256, True, torch.bfloat16),
+    ],
+)
 def test_fragment_matmul_matches_reference(tokens, n, k, group, bias, dtype):
     # fp16 weights: the operand rounded once (as the plugin-layout dot kernel's); bf16: 8 bits
     assert matmul_error(tokens, n, k, group, bias, dtype=dtype) < (
-        1e-3 if dtype == torch.float16 else 1e-2)
+        1e-3 if dtype == torch.float16 else 1e-2
+    )
 
 
 def test_fragment_dequantize_checks_out():
     qweight, scales, zeros, _ = make_layer(16, 256, 128, torch.float16, False, 0)
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
     with pytest.raises(ValueError, match=r"contiguous torch.float16 or torch.float32 \[16, 256\]"):
-        fragment_kernel.fragment_dequantize(fw, out=torch.empty(256, 16, dtype=torch.float16,
-                                                                 device=DEVICE).T)
+        fragment_kernel.fragment_dequantize(
+            fw, out=torch.empty(256, 16, dtype=torch.float16, device=DEVICE).T
+        )
 
 
 @pytest.mark.gpu
@@ -184,18 +201,25 @@ def test_fragment_kernel_on_gpu_in_bf16(n, k, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (11008, 4096, 64),
-                                         (4096, 11008, 128), (2560, 2048, 256)])
+@pytest.mark.parametrize(
+    "n, k, group", [(4096, 4096, 128), (11008, 4096, 64), (4096, 11008, 128), (2560, 2048, 256)]
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fragment_matmul_on_gpu(n, k, group, dtype):
     assert matmul_error(256, n, k, group, bias=True, dtype=dtype) < (
-        1e-3 if dtype == torch.float16 else 1e-2)
+        1e-3 if dtype == torch.float16 else 1e-2
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [fragment_kernel.FragmentPlan(2, 4),
-                                  fragment_kernel.FragmentPlan(1, 16),
-                                  fragment_kernel.FragmentPlan(1, 4, evict_first=True)])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        fragment_kernel.FragmentPlan(2, 4),
+        fragment_kernel.FragmentPlan(1, 16),
+        fragment_kernel.FragmentPlan(1, 4, evict_first=True),
+    ],
+)
 def test_fragment_kernel_plans_on_gpu(plan):
     assert run(4, 4096, 4096, 128, bias=True, plan=plan) < 1e-3
     assert run(1, 112, 1408, 64, bias=False, plan=plan) < 1e-3
@@ -227,7 +251,9 @@ def compile_for_sm90(tokens, n, k, bf16):
                                 options={"num_warps": plan.tiles * plan.warps_k}).asm
 '''
 
-LAYOUT_PROBE = COMPILE_FOR_SM90 + r'''
+LAYOUT_PROBE = (
+    COMPILE_FOR_SM90
+    + r"""
 for tokens, n, k, bf16 in [(1, 4096, 4096, False), (16, 4096, 4096, False),
                           (2, 4096, 11008, False), (9, 4096, 4096, True)]:
     plan, asm = compile_for_sm90(tokens, n, k, bf16)
@@ -237,9 +263,12 @@ for tokens, n, k, bf16 in [(1, 4096, 4096, False), (16, 4096, 4096, False),
         if "tt.elementwise_inline_asm" in line:
             layout = re.search(r"-> tensor<\d+xf32, (#\w+)>", line).group(1)
             print(tokens, n, k, plan.tiles * plan.warps_k, aliases[layout])
-'''
+"""
+)
 
-SPILL_PROBE = COMPILE_FOR_SM90 + r'''
+SPILL_PROBE = (
+    COMPILE_FOR_SM90
+    + r"""
 # the longest rows the layout takes (LANE_STEPS a lane at MAX_WARPS_K warps: K = 12288 at
 # group 128), one and two mma's, both dtypes
 longest = fk.LANE_STEPS * fk.MAX_WARPS_K * fk.STEP_COLS
@@ -254,7 +283,8 @@ for tokens, n, k, bf16 in [(1, 4096, longest, False), (16, 4096, longest, False)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     print(tokens, k, plan.warps_k, re.search(r"Used (\d+) registers", report).group(1),
           " ".join(a + "/" + b for a, b in spills))
-'''
+"""
+)
 
 
 def run_probe(probe: str) -> list[str]:
@@ -263,9 +293,11 @@ def run_probe(probe: str) -> list[str]:
     import os
     import subprocess
     import sys
+
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines()
 
@@ -277,8 +309,10 @@ def test_fragment_asm_sees_one_element_per_thread_in_order():
     assert len(lines) == 4, lines
     for line in lines:
         warps = line.split()[3]
-        assert line.endswith(f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], "
-                             f"warpsPerCTA = [{warps}], order = [0]}}>"), line
+        assert line.endswith(
+            f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], "
+            f"warpsPerCTA = [{warps}], order = [0]}}>"
+        ), line
 
 
 def test_fragment_kernel_holds_a_lanes_share_in_registers():
@@ -287,7 +321,7 @@ def test_fragment_kernel_holds_a_lanes_share_in_registers():
     lines = run_probe(SPILL_PROBE)
     assert len(lines) == 4, lines
     for line in lines:
-        assert line.split()[4:] == ["0/0"], line               # spill stores / loads, bytes
+        assert line.split()[4:] == ["0/0"], line  # spill stores / loads, bytes
 
 
 def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch.float16):
@@ -295,18 +329,23 @@ def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch
     operands `_int4_fragment` gives it, the warps' sums added as `_store_acc` adds them;
     returns the relative error against the fp64 product."""
     import numpy as np
-    from ptx_emulator import LANES, WarpEmulator
+
+    from harness.ptx_emulator import LANES, WarpEmulator
+
     qweight, scales, zeros, _ = make_layer(n, k, group, dtype, False, seed, device="cpu")
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    parts = [t.contiguous().view(torch.uint8).numpy().reshape(-1) for t in (fw.words, fw.records, x)]
-    bases = [0, parts[0].size, parts[0].size + parts[1].size]     # all multiples of 16
+    parts = [
+        t.contiguous().view(torch.uint8).numpy().reshape(-1) for t in (fw.words, fw.records, x)
+    ]
+    bases = [0, parts[0].size, parts[0].size + parts[1].size]  # all multiples of 16
     memory = np.concatenate(parts)
     spg, groups = group // 16, k // group
     chunk = -(-groups // warps_k)
     two = tokens > fragment_kernel.ONE_MMA_TOKENS
-    asm, constraints = fragment_kernel._asm_text(chunk, spg, two, True, evict_first,
-                                                 dtype == torch.bfloat16)
+    asm, constraints = fragment_kernel._asm_text(
+        chunk, spg, two, True, evict_first, dtype == torch.bfloat16
+    )
     lane = np.arange(LANES)
     g, c = lane // 4, lane % 4
     y = np.zeros((tokens, n))
@@ -316,13 +355,15 @@ def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch
             step0 = kc * chunk * spg
             nvalid = np.full(LANES, min(max(groups - kc * chunk, 0), chunk))
             col0 = np.where(nvalid > 0, step0 * 16 + 16 * c, 0)
-            operands = [bases[0] + (((tile * (k // 64) + step0 // 4) * 32 + lane) * 4) * 4,
-                        bases[1] + (((tile * groups + kc * chunk) * 8 + g) * 4) * 2,
-                        bases[2] + (np.minimum(g, tokens - 1) * k + col0) * 2]
+            operands = [
+                bases[0] + (((tile * (k // 64) + step0 // 4) * 32 + lane) * 4) * 4,
+                bases[1] + (((tile * groups + kc * chunk) * 8 + g) * 4) * 2,
+                bases[2] + (np.minimum(g, tokens - 1) * k + col0) * 2,
+            ]
             if two:
                 operands.append(bases[2] + (np.minimum(g + 8, tokens - 1) * k + col0) * 2)
             out = WarpEmulator(memory).run(asm, constraints, operands + [nvalid])
-            total = total + np.stack(out)                                  # [accumulators, lanes]
+            total = total + np.stack(out)  # [accumulators, lanes]
         for m, acc in enumerate(total):
             rows = tile * 16 + g + 8 * (m % 4 >= 2)
             toks = 2 * c + (m & 1) + 8 * (m >= 4)
@@ -335,10 +376,16 @@ def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch
 # The asm itself, without a GPU: group 64 (4 steps a group, 2 groups a warp), the second mma's
 # tokens, warps with no groups, evict-first loads; bf16. The weight is exact in either dtype
 # and the sums are fp32, so the emulated warp is as close as the fp64 product's rounding.
-@pytest.mark.parametrize("tokens, n, k, group, warps_k, evict_first, dtype", [
-    (3, 32, 256, 64, 2, False, torch.float16), (11, 16, 512, 128, 4, False, torch.float16),
-    (1, 16, 256, 128, 4, True, torch.float16), (3, 32, 256, 64, 2, False, torch.bfloat16),
-    (11, 16, 512, 128, 4, False, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "tokens, n, k, group, warps_k, evict_first, dtype",
+    [
+        (3, 32, 256, 64, 2, False, torch.float16),
+        (11, 16, 512, 128, 4, False, torch.float16),
+        (1, 16, 256, 128, 4, True, torch.float16),
+        (3, 32, 256, 64, 2, False, torch.bfloat16),
+        (11, 16, 512, 128, 4, False, torch.bfloat16),
+    ],
+)
 def test_fragment_asm_in_an_emulated_warp(tokens, n, k, group, warps_k, evict_first, dtype):
     assert emulate(tokens, n, k, group, warps_k, evict_first, dtype=dtype) < 1e-6
 
@@ -346,24 +393,28 @@ def test_fragment_asm_in_an_emulated_warp(tokens, n, k, group, warps_k, evict_fi
 def test_fragment_kernel_refuses_misaligned_x():
     qweight, scales, zeros, _ = make_layer(16, 256, 128, torch.float16, False, 0, device="cpu")
     fw = fragment_kernel.fragment_pack(qweight, scales, zeros, 128)
-    x = torch.randn(2 * 256 + 1).half()[1:].view(2, 256)             # 2 bytes off
+    x = torch.randn(2 * 256 + 1).half()[1:].view(2, 256)  # 2 bytes off
     with pytest.raises(ValueError, match="16-byte aligned"):
         fragment_kernel.int4_gemm_fragment(x, fw)
 
 
 def test_fragment_rewrite_takes_each_weight_once():
-    """runtime/fusion.py's rewrite: fp16 and bf16 weights (fp32 ones stay on the plugin's
+    """`fusions/int4_fragment.py`'s rewrite: fp16 and bf16 weights (fp32 ones stay on the plugin's
     kernels), a weight read by two nodes is packed once, a node with another weight gets its
     own."""
-    from trtc.runtime.fusion import INT4_GEMM_FRAGMENT, fuse
-    from trtc.runtime.torch_ops import GraphNode
+    from trtc.runtime.executors.fusions import fuse
+    from trtc.runtime.executors.fusions.int4_fragment import INT4_GEMM_FRAGMENT
+    from trtc.runtime.executors.graph import GraphNode
+
     constants = {}
     for name, dtype in (("a", torch.float16), ("b", torch.float32), ("c", torch.bfloat16)):
         qweight, scales, zeros, _ = make_layer(32, 256, 128, dtype, False, 0, device="cpu")
         constants.update({f"{name}.q": qweight, f"{name}.s": scales, f"{name}.z": zeros})
     attrs = {"group_size": 128, "in_features": 256, "out_features": 32}
-    nodes = [GraphNode(("trtc", "Int4Gemm"), ["x", f"{w}.q", f"{w}.s", f"{w}.z"], [f"y{i}"], attrs)
-             for i, w in enumerate("aabc")]
+    nodes = [
+        GraphNode(("trtc", "Int4Gemm"), ["x", f"{w}.q", f"{w}.s", f"{w}.z"], [f"y{i}"], attrs)
+        for i, w in enumerate("aabc")
+    ]
     # a fourth weight whose scales another node also reads: its stored layout must stay
     qweight, scales, zeros, _ = make_layer(32, 256, 128, torch.float16, False, 1, device="cpu")
     constants.update({"d.q": qweight, "d.s": scales, "d.z": zeros})
@@ -375,8 +426,15 @@ def test_fragment_rewrite_takes_each_weight_once():
     nodes.append(GraphNode(("trtc", "Int4Gemm"), ["x", "e.q", "c.s", "c.z"], ["y6"], attrs))
     fused, counts = fuse(nodes, constants, {f"y{i}" for i in range(7)})
     assert counts["int4_fragment"] == 5
-    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [True, True, False, True, True, False,
-                                                           True]
+    assert [n.op == INT4_GEMM_FRAGMENT for n in fused] == [
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+        True,
+    ]
     assert fused[0].inputs[2:] == fused[1].inputs[2:] != fused[3].inputs[2:]
     assert fused[0].inputs[:2] == ["x", ""] and fused[4].inputs[:2] == ["x", "bias"]
     assert sum(".fragment" in name for name in constants) == 8
@@ -386,16 +444,21 @@ def test_fragment_rewrite_takes_each_weight_once():
 
 
 def test_fragment_memory_estimate():
-    """What the executor reserves before loading (runtime/fusion.py `int4_fragment_bytes`): the
-    records' extra byte a row and group, plus the largest projection's transient fp16 weight
-    for prefill (the 1.1B geometry: gate/up, 11264 x 2048)."""
-    from trtc.runtime.fusion import int4_fragment_bytes
-    n_k_g = 100_000_000                                     # N K / g summed over the Linears
-    manifest = {"precision": "fp16",
-                "quantization": {"bits": 4, "group_size": 128,
-                                 "linear_weight_bytes_quantized": n_k_g * 64 + 3 * n_k_g},
-                "model": {"hidden_size": 2048, "num_heads": 32, "num_kv_heads": 4,
-                          "head_dim": 64, "intermediate_size": 5632}}
+    """What the executor reserves before loading (`fusions/int4_fragment.py`
+    `int4_fragment_bytes`): the records' extra byte a row and group, plus the largest
+    projection's transient fp16 weight for prefill (the 1.1B geometry: gate/up, 11264 x 2048)."""
+    from trtc.artifact import Manifest, ModelGeometry, QuantizationRecord
+    from trtc.runtime.executors.fusions.int4_fragment import int4_fragment_bytes
+
+    n_k_g = 100_000_000  # N K / g summed over the Linears
+    quant = QuantizationRecord(
+        method="rtn", bits=4, group_size=128, linear_weight_bytes_quantized=n_k_g * 64 + 3 * n_k_g
+    )
+    model = ModelGeometry.model_construct(
+        hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=64, intermediate_size=5632
+    )
+    manifest = Manifest.model_construct(precision="fp16", quantization=quant, model=model)
     assert int4_fragment_bytes(manifest) == pytest.approx(n_k_g + 2 * 11264 * 2048, abs=2)
-    assert int4_fragment_bytes({**manifest, "precision": "fp32"}) == 0
-    assert int4_fragment_bytes({**manifest, "quantization": {"method": "none"}}) == 0
+    assert int4_fragment_bytes(manifest.model_copy(update={"precision": "fp32"})) == 0
+    unquantized = QuantizationRecord(method="none")
+    assert int4_fragment_bytes(manifest.model_copy(update={"quantization": unquantized})) == 0

@@ -1,16 +1,19 @@
 """The Int4Gemm and Fp8Gemm references against the formulas that define them."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trtc.plugins.fp8_gemm import SPEC as FP8_SPEC, Fp8Linear, fp8_gemm, to_fp8
-from trtc.plugins.int4_gemm import SPEC as INT4_SPEC, Int4Linear, int4_gemm, pack_int4, unpack_int4
+from trtc.plugins.fp8_gemm import SPEC as FP8_SPEC
+from trtc.plugins.fp8_gemm import Fp8Linear, fp8_gemm, to_fp8
+from trtc.plugins.int4_gemm import SPEC as INT4_SPEC
+from trtc.plugins.int4_gemm import Int4Linear, int4_gemm, pack_int4, unpack_int4
 
 
 def random_int4(n, k, group, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)                  # a shorter last group when group does not divide k
+    groups = -(-k // group)  # a shorter last group when group does not divide k
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).to(dtype)
     zeros = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
@@ -30,6 +33,7 @@ def test_pack_unpack_round_trip_and_nibble_order():
 
 def test_packing_matches_onnx_uint4_bytes():
     from onnx import TensorProto, helper, numpy_helper
+
     q = torch.randint(0, 16, (3, 8), dtype=torch.uint8)
     packed = pack_int4(q).flatten()
     # ONNX packs a UINT4 tensor the same way (its int32_data holds one packed byte each) ...
@@ -48,12 +52,13 @@ def test_int4_reference_is_the_dense_dequantized_matmul(group, k, bias):
     x = torch.randn(t, k)
     b = torch.randn(n) if bias else None
     w = torch.empty(n, k)
-    for r in range(n):                       # the spec's formula, element by element per group
+    for r in range(n):  # the spec's formula, element by element per group
         for c in range(k):
             w[r, c] = (float(q[r, c]) - float(zeros[r, c // group])) * float(scales[r, c // group])
     expected = x.double() @ w.double().T + (b.double() if bias else 0)
-    y = int4_gemm(x, pack_int4(q), scales, zeros, b, group_size=group, in_features=k,
-                  out_features=n)
+    y = int4_gemm(
+        x, pack_int4(q), scales, zeros, b, group_size=group, in_features=k, out_features=n
+    )
     assert y.shape == (t, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -63,9 +68,12 @@ def test_int4_computes_in_fp32_and_returns_x_dtype(dtype):
     n, k, group = 32, 128, 64
     q, scales, zeros = random_int4(n, k, group, dtype)
     x = torch.randn(5, k).to(dtype)
-    y = int4_gemm(x, pack_int4(q), scales, zeros, None, group_size=group, in_features=k,
-                  out_features=n)
-    w = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    y = int4_gemm(
+        x, pack_int4(q), scales, zeros, None, group_size=group, in_features=k, out_features=n
+    )
+    w = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(
+        group, 1
+    )
     assert y.dtype == dtype
     torch.testing.assert_close(y, (x.float() @ w.T).to(dtype))
 
@@ -73,14 +81,35 @@ def test_int4_computes_in_fp32_and_returns_x_dtype(dtype):
 def test_int4_shape_errors():
     q, scales, zeros = random_int4(8, 64, 32)
     with pytest.raises(ValueError, match="scales"):
-        int4_gemm(torch.randn(2, 64), pack_int4(q), scales[:, :1], zeros, group_size=32,
-                  in_features=64, out_features=8)
+        int4_gemm(
+            torch.randn(2, 64),
+            pack_int4(q),
+            scales[:, :1],
+            zeros,
+            group_size=32,
+            in_features=64,
+            out_features=8,
+        )
     with pytest.raises(ValueError, match=r"scales has shape \(8, 2\), expected \[8, 3\]"):
-        int4_gemm(torch.randn(2, 64), pack_int4(q), scales, zeros, group_size=24,
-                  in_features=64, out_features=8)
+        int4_gemm(
+            torch.randn(2, 64),
+            pack_int4(q),
+            scales,
+            zeros,
+            group_size=24,
+            in_features=64,
+            out_features=8,
+        )
     with pytest.raises(ValueError, match="must be even"):
-        int4_gemm(torch.randn(2, 63), q[:, :32], scales, zeros, group_size=32,
-                  in_features=63, out_features=8)
+        int4_gemm(
+            torch.randn(2, 63),
+            q[:, :32],
+            scales,
+            zeros,
+            group_size=32,
+            in_features=63,
+            out_features=8,
+        )
 
 
 def test_int4_linear_module_keeps_packed_dtypes():
@@ -140,17 +169,30 @@ def test_plugins_emit_one_node_under_onnx_export():
         def __init__(self):
             super().__init__()
             self.a = Int4Linear(pack_int4(q), scales, zeros, None, 32)
-            self.b = Fp8Linear(torch.randn(8, 16).to(torch.float8_e4m3fn), torch.ones(8),
-                               torch.tensor(0.1), torch.zeros(8))
+            self.b = Fp8Linear(
+                torch.randn(8, 16).to(torch.float8_e4m3fn),
+                torch.ones(8),
+                torch.tensor(0.1),
+                torch.zeros(8),
+            )
 
         def forward(self, x):
             return self.b(self.a(x))
 
     x = torch.randn(3, 64)
-    program = torch.onnx.export(Two().eval(), (x,), dynamo=True, optimize=False, verbose=False,
-                                dynamic_shapes=({0: torch.export.Dim("T")},))
+    program = torch.onnx.export(
+        Two().eval(),
+        (x,),
+        dynamo=True,
+        optimize=False,
+        verbose=False,
+        dynamic_shapes=({0: torch.export.Dim("T")},),
+    )
     nodes = {(n.domain, n.op_type): n for n in program.model_proto.graph.node}
     int4, fp8 = nodes[("trtc", "Int4Gemm")], nodes[("trtc", "Fp8Gemm")]
-    assert len(int4.input) == 4 and len(fp8.input) == 5          # no bias / with bias
-    assert {a.name: a.i for a in int4.attribute} == {"group_size": 32, "in_features": 64,
-                                                     "out_features": 16}
+    assert len(int4.input) == 4 and len(fp8.input) == 5  # no bias / with bias
+    assert {a.name: a.i for a in int4.attribute} == {
+        "group_size": 32,
+        "in_features": 64,
+        "out_features": 16,
+    }

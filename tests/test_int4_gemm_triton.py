@@ -1,16 +1,19 @@
 """The Triton Int4Gemm kernels against the reference. Without a GPU they run in Triton's CPU
 interpreter (TRITON_INTERPRET=1, set in conftest) at small sizes; on a GPU (marker `gpu`) at
 the Llama-7B projection sizes, in fp16 and bf16."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trtc.plugins import arrival_counters
-from trtc.plugins.int4_gemm.reference import dequantize, int4_gemm as reference, pack_int4
+from trtc.plugins.int4_gemm.reference import dequantize, pack_int4
+from trtc.plugins.int4_gemm.reference import int4_gemm as reference
+from trtc.plugins.kernels import arrival_counters
 
-triton_kernels = pytest.importorskip("trtc.plugins.int4_gemm.triton_kernels",
-                                     reason="triton is not installed")
+triton_kernels = pytest.importorskip(
+    "trtc.plugins.int4_gemm.triton_kernels", reason="triton is not installed"
+)
 Plan = triton_kernels.Plan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||out - ref|| / ||ref|| against fp64: fp32 arithmetic, and fp16/bf16 outputs (one rounding).
@@ -33,12 +36,12 @@ def check(tokens, n, k, group, dtype=torch.float16, bias=True, plan=None, seed=0
     g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     x = torch.randn(tokens, k, generator=g, device=DEVICE).to(dtype)
     kw = dict(group_size=group, in_features=k, out_features=n)
-    chosen = plan or triton_kernels.default_plan(tokens, n, k, group,
-                                                 fp16=dtype == torch.float16)
+    chosen = plan or triton_kernels.default_plan(tokens, n, k, group, fp16=dtype == torch.float16)
     out = torch.full((tokens, n), float("nan"), dtype=dtype, device=DEVICE)
     workspace = torch.full((chosen.split_k * tokens * n,), float("nan"), device=DEVICE)
-    got = triton_kernels.int4_gemm(x, qweight, scales, zeros, b, plan=chosen, out=out,
-                                   workspace=workspace, **kw)
+    got = triton_kernels.int4_gemm(
+        x, qweight, scales, zeros, b, plan=chosen, out=out, workspace=workspace, **kw
+    )
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(got).any(), "some outputs were not written (or a split was lost)"
     w = dequantize(qweight, scales, zeros, group).double()
@@ -66,18 +69,30 @@ def test_default_plan_matches_reference(tokens, dtype):
 def test_group_sizes_with_a_short_last_group(group, bias):
     check(2, 24, 3 * group - 8, group, torch.float16, bias=bias, seed=group)
     check(5, 24, 3 * group - 8, group, torch.bfloat16, bias=bias, seed=group + 1)
-    check(3, 24, 3 * group - 8, group, torch.bfloat16, bias=bias, seed=group + 2,
-          plan=Plan(16, 16, split_k=2, reduce="last", block_k=128))
+    check(
+        3,
+        24,
+        3 * group - 8,
+        group,
+        torch.bfloat16,
+        bias=bias,
+        seed=group + 2,
+        plan=Plan(16, 16, split_k=2, reduce="last", block_k=128),
+    )
 
 
-@pytest.mark.parametrize("plan", [
-    Plan(16, 16),
-    Plan(16, 32, split_k=3, block_k=128),             # 3 steps of 128 columns (2 groups each)
-    Plan(16, 16, split_k=4, reduce="last", block_k=128),   # one split is empty
-    Plan(16, 16, split_k=2, reduce="last"),            # uneven splits: 1 step + a masked one
-    Plan(16, 32, block_k=512),                         # one step, 8 groups, most of it masked
-    Plan(16, 16, split_k=8, reduce="last", block_k=128, max_registers=128),   # 5 empty splits
-], ids=lambda p: f"t{p.block_t}-n{p.block_n}-k{p.block_k}-s{p.split_k}-{p.reduce}")
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(16, 16),
+        Plan(16, 32, split_k=3, block_k=128),  # 3 steps of 128 columns (2 groups each)
+        Plan(16, 16, split_k=4, reduce="last", block_k=128),  # one split is empty
+        Plan(16, 16, split_k=2, reduce="last"),  # uneven splits: 1 step + a masked one
+        Plan(16, 32, block_k=512),  # one step, 8 groups, most of it masked
+        Plan(16, 16, split_k=8, reduce="last", block_k=128, max_registers=128),  # 5 empty splits
+    ],
+    ids=lambda p: f"t{p.block_t}-n{p.block_n}-k{p.block_k}-s{p.split_k}-{p.reduce}",
+)
 def test_every_plan_variant(plan):
     check(3, 40, 4 * 64 + 40, 64, torch.float16, bias=True, plan=plan, seed=7)
     # reduce="last" leaves its arrival counters zero for the next call.
@@ -107,7 +122,7 @@ def test_rows_kernel_matches_reference(name, tokens, dtype):
 
 
 def test_row_pieces():
-    assert triton_kernels.row_pieces(86) == (64, 16, 8)       # K = 11008, group 128
+    assert triton_kernels.row_pieces(86) == (64, 16, 8)  # K = 11008, group 128
     assert triton_kernels.row_pieces(32) == (32, 0, 0)
     assert triton_kernels.row_pieces(11) == (8, 2, 1)
     assert triton_kernels.row_pieces(7) == (4, 2, 1)
@@ -132,20 +147,29 @@ def test_rows_kernel_with_leading_dims_and_steps_past_the_row():
 
 def test_decode_steps_of_one_or_two_tokens_go_to_the_rows_kernel_where_it_won():
     plan = triton_kernels.default_plan
-    assert plan(1, 4096, 4096, 128) == Plan(16, 8, kernel="rows", num_stages=1, block_k=4096,
-                                            half2=True, evict_first=True)
-    assert plan(1, 4096, 11008, 128) == Plan(16, 8, kernel="rows", num_warps=8, num_stages=1,
-                                             block_k=16384, half2=True, evict_first=True)
+    assert plan(1, 4096, 4096, 128) == Plan(
+        16, 8, kernel="rows", num_stages=1, block_k=4096, half2=True, evict_first=True
+    )
+    assert plan(1, 4096, 11008, 128) == Plan(
+        16, 8, kernel="rows", num_warps=8, num_stages=1, block_k=16384, half2=True, evict_first=True
+    )
     assert plan(1, 11008, 4096, 128).kernel == "rows"
-    assert not plan(1, 4096, 4096, 128, fp16=False).half2        # bf16: fp32 products
+    assert not plan(1, 4096, 4096, 128, fp16=False).half2  # bf16: fp32 products
     # Two tokens: half2 products on rows of at most 4096 columns; bf16 on the small layer only.
-    assert plan(2, 4096, 4096, 128) == Plan(16, 4, kernel="rows", num_stages=1, block_k=4096,
-                                            half2=True, evict_first=True)
+    assert plan(2, 4096, 4096, 128) == Plan(
+        16, 4, kernel="rows", num_stages=1, block_k=4096, half2=True, evict_first=True
+    )
     assert plan(2, 11008, 4096, 128).half2
-    assert plan(2, 4096, 4096, 128, fp16=False) == Plan(16, 4, kernel="rows", num_stages=1,
-                                                        block_k=2048, evict_first=True)
-    for t, n, k, fp16 in ((2, 11008, 4096, False), (2, 4096, 11008, True), (3, 4096, 4096, True),
-                          (16, 4096, 4096, True), (256, 4096, 4096, True)):
+    assert plan(2, 4096, 4096, 128, fp16=False) == Plan(
+        16, 4, kernel="rows", num_stages=1, block_k=2048, evict_first=True
+    )
+    for t, n, k, fp16 in (
+        (2, 11008, 4096, False),
+        (2, 4096, 11008, True),
+        (3, 4096, 4096, True),
+        (16, 4096, 4096, True),
+        (256, 4096, 4096, True),
+    ):
         assert plan(t, n, k, 128, fp16=fp16) == triton_kernels.split_plan(t, n, k, 128)
     # The split kernel prefetches into L2 on the small layer only.
     assert triton_kernels.split_plan(4, 4096, 4096, 128).prefetch
@@ -185,8 +209,11 @@ def test_leading_dims_and_default_allocation():
 
 
 def test_plans_follow_the_shapes():
-    plans = {(t, n, k): triton_kernels.split_plan(t, n, k, 128, sm_count=132)
-             for t in (1, 16) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))}
+    plans = {
+        (t, n, k): triton_kernels.split_plan(t, n, k, 128, sm_count=132)
+        for t in (1, 16)
+        for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))
+    }
     for (t, n, k), plan in plans.items():
         assert plan.block_t == 16 and plan.reduce == "last"
         tiles = -(-n // plan.block_n)
@@ -208,7 +235,7 @@ def test_plans_follow_the_shapes():
 
 # --- real sizes on a GPU --------------------------------------------------------------------
 
-LLAMA_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]     # [N, K]: o/qkv, up/gate, down
+LLAMA_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # [N, K]: o/qkv, up/gate, down
 
 
 @pytest.mark.gpu
@@ -220,28 +247,40 @@ def test_gpu_real_sizes(n, k, dtype, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [
-    Plan(16, 64, split_k=8), Plan(16, 128, split_k=16, reduce="last", num_warps=8),
-    Plan(16, 128, split_k=3, reduce="last", num_warps=8, block_k=128, max_registers=128),
-    Plan(16, 64, split_k=5, reduce="last", num_warps=4, num_stages=4, block_k=128),
-    Plan(128, 128, num_warps=8, block_k=128),
-    # The L2 prefetch of each program's slice, before the wait: uneven splits (86 steps of 128
-    # columns in 5), and one split per row block.
-    Plan(16, 64, split_k=5, reduce="last", block_k=128, prefetch=True),
-    Plan(16, 64, split_k=1, block_k=256, prefetch=True),
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(16, 64, split_k=8),
+        Plan(16, 128, split_k=16, reduce="last", num_warps=8),
+        Plan(16, 128, split_k=3, reduce="last", num_warps=8, block_k=128, max_registers=128),
+        Plan(16, 64, split_k=5, reduce="last", num_warps=4, num_stages=4, block_k=128),
+        Plan(128, 128, num_warps=8, block_k=128),
+        # The L2 prefetch of each program's slice, before the wait: uneven splits (86 steps of 128
+        # columns in 5), and one split per row block.
+        Plan(16, 64, split_k=5, reduce="last", block_k=128, prefetch=True),
+        Plan(16, 64, split_k=1, block_k=256, prefetch=True),
+    ],
+)
 def test_gpu_plan_variants(plan):
     # Three draws each: a race between the splits would move the error from run to run.
     for seed in range(3):
-        check(16 if plan.block_t == 16 else 200, 4096, 11008, 128, torch.float16, plan=plan,
-              seed=5 + seed)
+        check(
+            16 if plan.block_t == 16 else 200,
+            4096,
+            11008,
+            128,
+            torch.float16,
+            plan=plan,
+            seed=5 + seed,
+        )
     assert arrival_counters.all_zero()
 
 
 @pytest.mark.gpu
 def test_gpu_dispatch_and_partial_group():
     from trtc.plugins.int4_gemm import int4_gemm
-    n, k, group = 4096, 4096 + 64, 128                     # last group: 64 columns
+
+    n, k, group = 4096, 4096 + 64, 128  # last group: 64 columns
     qweight, scales, zeros, b = make_layer(n, k, group, torch.float16, True, 9)
     x = torch.randn(7, k, device="cuda").half()
     kw = dict(group_size=group, in_features=k, out_features=n)
@@ -302,8 +341,9 @@ def test_gpu_half2_products_keep_large_activations(tokens):
     x[:, 7] = 6000.0
     x[:, 8:16] = -3000.0
     plan = Plan(16, 8, kernel="rows", num_stages=1, block_k=4096, half2=True)
-    got = triton_kernels.int4_gemm(x, qweight, scales, zeros, group_size=128, in_features=k,
-                                   out_features=n, plan=plan)
+    got = triton_kernels.int4_gemm(
+        x, qweight, scales, zeros, group_size=128, in_features=k, out_features=n, plan=plan
+    )
     exact = x.double() @ dequantize(qweight, scales, zeros, 128).double().T
     assert torch.isfinite(got).all()
     assert float((got.double() - exact).norm() / exact.norm()) < REL_TOL[torch.float16]
@@ -324,7 +364,7 @@ def test_gpu_default_decode_chain_in_a_cuda_graph(tokens):
         return x
 
     x = torch.randn(tokens, k, device="cuda").half()
-    chain(x)                                           # compile outside the capture
+    chain(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = chain(x)

@@ -1,6 +1,7 @@
 """The Triton PagedAttention kernels against the reference. Without a GPU they run in Triton's
 CPU interpreter (TRITON_INTERPRET=1, set in conftest) at small sizes; on a GPU (marker `gpu`)
 at real sizes and in fp16/bf16."""
+
 from __future__ import annotations
 
 import os
@@ -8,44 +9,80 @@ import os
 import pytest
 import torch
 
-from attention_cases import make_case
-from trtc.plugins import arrival_counters
-from trtc.plugins.paged_attention.reference import paged_attention as reference_attention, to_cache
+from harness.attention_cases import make_case
+from trtc.plugins.kernels import arrival_counters
+from trtc.plugins.paged_attention.reference import paged_attention as reference_attention
+from trtc.plugins.paged_attention.reference import to_cache
 
-triton_kernels = pytest.importorskip("trtc.plugins.paged_attention.triton_kernels",
-                                     reason="triton is not installed")
+triton_kernels = pytest.importorskip(
+    "trtc.plugins.paged_attention.triton_kernels", reason="triton is not installed"
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check(seqs, heads, kv_heads, D, block_size, window=0, dtype=torch.float32, splits=None, seed=0,
-          num_blocks=64, atol=2e-5, kv_scales=None, padding=1, **options):
+def check(
+    seqs,
+    heads,
+    kv_heads,
+    D,
+    block_size,
+    window=0,
+    dtype=torch.float32,
+    splits=None,
+    seed=0,
+    num_blocks=64,
+    atol=2e-5,
+    kv_scales=None,
+    padding=1,
+    **options,
+):
     """``kv_scales=(k_scale, v_scale)``: the cache is FP8 (context stored through the reference's
     `to_cache`), and the reference reads the very same FP8 cache."""
-    ref = make_case(seqs, heads, kv_heads, D, block_size, num_blocks, seed, dtype=torch.float32, padding=padding)
-    kern = make_case(seqs, heads, kv_heads, D, block_size, num_blocks, seed, dtype=dtype, device=DEVICE,
-                     padding=padding)
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=D, scale=D ** -0.5, sliding_window=window)
+    ref = make_case(
+        seqs, heads, kv_heads, D, block_size, num_blocks, seed, dtype=torch.float32, padding=padding
+    )
+    kern = make_case(
+        seqs,
+        heads,
+        kv_heads,
+        D,
+        block_size,
+        num_blocks,
+        seed,
+        dtype=dtype,
+        device=DEVICE,
+        padding=padding,
+    )
+    kw = dict(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=D, scale=D**-0.5, sliding_window=window
+    )
     if kv_scales:
         # The reference caches exactly the new K/V the kernel gets (rounded to ``dtype``): the
         # cache bytes are compared bit for bit below.
-        ref.query, ref.key, ref.value = (t.float().cpu() for t in (kern.query, kern.key, kern.value))
+        ref.query, ref.key, ref.value = (
+            t.float().cpu() for t in (kern.query, kern.key, kern.value)
+        )
         kw.update(k_scale=kv_scales[0], v_scale=kv_scales[1])
         fp8 = torch.empty(ref.kv_cache.shape, dtype=torch.float8_e4m3fn)
         for i, s in enumerate(kv_scales):
             fp8[i] = to_cache(ref.kv_cache[i], fp8.dtype, s)
         ref.kv_cache, kern.kv_cache = fp8, fp8.clone().to(DEVICE)
     want, want_cache = reference_attention(*ref.args(), **kw)
-    got, got_cache = triton_kernels.paged_attention(*kern.args(), num_splits=splits, **options, **kw)
+    got, got_cache = triton_kernels.paged_attention(
+        *kern.args(), num_splits=splits, **options, **kw
+    )
     n_real = int(ref.query_start_loc[-1])
-    if kv_scales:     # bit for bit, on the GPU and in the interpreter alike
+    if kv_scales:  # bit for bit, on the GPU and in the interpreter alike
         same = got_cache.cpu().view(torch.uint8) == want_cache.view(torch.uint8)
         assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} cache bytes differ"
     err = (got[:n_real].float().cpu() - want[:n_real]).norm() / want[:n_real].norm()
     assert not torch.isnan(got[:n_real]).any()
     assert err < atol, f"relative error {err:.2e}"
     if not kv_scales:
-        torch.testing.assert_close(got_cache.float().cpu(), want_cache.to(dtype).float(), atol=0, rtol=0)
+        torch.testing.assert_close(
+            got_cache.float().cpu(), want_cache.to(dtype).float(), atol=0, rtol=0
+        )
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)])
@@ -62,7 +99,18 @@ def test_decode_split_k(splits, merge):
     # a second kernel does. Either way the arrival counters are left at zero for the next launch.
     seqs = [(70, 1), (5, 1), (33, 1), (0, 1)]
     check(seqs, 8, 2, 16, 16, splits=splits, seed=splits, num_blocks=32, merge=merge)
-    check([(70, 1), (5, 1)], 8, 2, 16, 16, splits=splits, seed=7, num_blocks=32, merge=merge, padding=0)
+    check(
+        [(70, 1), (5, 1)],
+        8,
+        2,
+        16,
+        16,
+        splits=splits,
+        seed=7,
+        num_blocks=32,
+        merge=merge,
+        padding=0,
+    )
     assert arrival_counters.all_zero()
 
 
@@ -71,10 +119,31 @@ def test_decode_only_step(splits, heads_first):
     # T == S (no padding row): the kernel's decode path, one program column per sequence.
     seqs = [(70, 1), (5, 1), (33, 1), (0, 1), (16, 1)]
     assert triton_kernels.plan(5, 5, 8, 2)["decode"]
-    check(seqs, 8, 2, 16, 16, splits=splits, seed=3 + splits, num_blocks=32, padding=0, heads_first=heads_first)
-    check(seqs, 8, 2, 16, 16, splits=splits, seed=4, num_blocks=32, padding=0, window=20,
-          heads_first=heads_first)
-
+    check(
+        seqs,
+        8,
+        2,
+        16,
+        16,
+        splits=splits,
+        seed=3 + splits,
+        num_blocks=32,
+        padding=0,
+        heads_first=heads_first,
+    )
+    check(
+        seqs,
+        8,
+        2,
+        16,
+        16,
+        splits=splits,
+        seed=4,
+        num_blocks=32,
+        padding=0,
+        window=20,
+        heads_first=heads_first,
+    )
 
 
 def test_sliding_window():
@@ -91,7 +160,18 @@ def test_fp8_kv_cache(splits):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_fp8_kv_cache(dtype):
     seqs = [(2047, 1)] * 8 + [(0, 300), (500, 129), (17, 1)]
-    check(seqs, 32, 4, 64, 16, dtype=dtype, seed=12, num_blocks=2048, atol=1e-2, kv_scales=(0.02, 0.015))
+    check(
+        seqs,
+        32,
+        4,
+        64,
+        16,
+        dtype=dtype,
+        seed=12,
+        num_blocks=2048,
+        atol=1e-2,
+        kv_scales=(0.02, 0.015),
+    )
 
 
 @pytest.mark.gpu
@@ -119,7 +199,9 @@ def test_fp8_rounding_is_torchs_bit_for_bit():
     grid = grid[torch.isfinite(grid)].unique()
     mids = (grid[1:] + grid[:-1]) / 2
     near = torch.cat([mids.nextafter(torch.tensor(-1e9)), mids.nextafter(torch.tensor(1e9))])
-    extra = torch.tensor([0.0, -0.0, 1e-12, -1e-12, 447.9, 460.0, 464.0, 500.0, -1e6, 2 ** -10, 2 ** -9.5])
+    extra = torch.tensor(
+        [0.0, -0.0, 1e-12, -1e-12, 447.9, 460.0, 464.0, 500.0, -1e6, 2**-10, 2**-9.5]
+    )
     x = torch.cat([grid, mids, near, extra, torch.randn(4096) * 50]).contiguous()
     want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     got = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
@@ -133,7 +215,9 @@ def test_gpu_decode_merge_in_a_cuda_graph():
     """The default decode plan (splits merged by the last program) replayed in a CUDA graph: the
     same output as a merge kernel on every replay (the arrival counters reset themselves)."""
     seqs = [(1500 + 7 * i, 1) for i in range(32)]
-    case = make_case(seqs, 32, 4, 64, 16, 4096, seed=17, dtype=torch.float16, device="cuda", padding=0)
+    case = make_case(
+        seqs, 32, 4, 64, 16, 4096, seed=17, dtype=torch.float16, device="cuda", padding=0
+    )
     kw = dict(num_heads=32, num_kv_heads=4, head_dim=64, scale=0.125)
     want, _ = triton_kernels.paged_attention(*case.args(), merge="kernel", write_kv=False, **kw)
     stream = torch.cuda.Stream()

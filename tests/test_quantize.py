@@ -1,5 +1,6 @@
 """The quantizers on tiny models: RTN bounds, GPTQ and AWQ against RTN, AWQ's folding, FP8
 scales, calibration text, errors."""
+
 from __future__ import annotations
 
 import copy
@@ -7,12 +8,15 @@ import copy
 import pytest
 import torch
 
-from trtc.compiler.quantize import quantize_model
 from trtc.compiler.quantize import fp8 as fp8_mod
-from trtc.compiler.quantize import gptq, rtn
-from trtc.compiler.quantize.calibration import (DEFAULT_SOURCE, calibration_data,
-                                                calibration_token_batches, default_text,
-                                                text_sha256)
+from trtc.compiler.quantize import gptq, quantize_model, rtn
+from trtc.compiler.quantize.calibration import (
+    DEFAULT_SOURCE,
+    calibration_data,
+    calibration_token_batches,
+    default_text,
+    text_sha256,
+)
 from trtc.compiler.quantize.layers import LINEARS
 from trtc.compiler.tiny import byte_tokenizer, tiny_model
 from trtc.plugins.int4_gemm import unpack_int4
@@ -42,8 +46,13 @@ def linear_inputs(model, tok, path: str | None = None, num_samples=4, seq_len=64
     for i, layer in enumerate(model.model.layers):
         for p in LINEARS:
             name = f"model.layers.{i}.{p}"
-            handles.append(layer.get_submodule(p).register_forward_pre_hook(
-                lambda m, a, name=name: inputs.setdefault(name, []).append(a[0].reshape(-1, a[0].shape[-1]))))
+            handles.append(
+                layer.get_submodule(p).register_forward_pre_hook(
+                    lambda m, a, name=name: inputs.setdefault(name, []).append(
+                        a[0].reshape(-1, a[0].shape[-1])
+                    )
+                )
+            )
     with torch.no_grad():
         model(input_ids=torch.tensor(batches))
     for h in handles:
@@ -64,18 +73,19 @@ def output_mse(model, result, inputs) -> float:
 
 # --- RTN -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_rtn_error_is_at_most_half_a_step(group):
     w = torch.randn(16, 256) * 0.05
-    w[0, :group] = torch.linspace(0.01, 0.02, group)       # an all-positive group
-    w[1, :group] = 0.0                                        # an all-zero group
+    w[0, :group] = torch.linspace(0.01, 0.02, group)  # an all-positive group
+    w[1, :group] = 0.0  # an all-zero group
     q, scales, zeros = rtn.quantize_rtn(w, group)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and int(zeros.max()) <= 15
     assert scales.shape == zeros.shape == (16, 256 // group)
     err = (rtn.dequantize(q, scales, zeros, group) - w).abs()
     bound = scales.repeat_interleave(group, 1) / 2
     assert torch.all(err <= bound * (1 + 1e-5) + 1e-7)
-    assert torch.all(rtn.dequantize(q, scales, zeros, group)[1, :group] == 0)   # zeros stay exact
+    assert torch.all(rtn.dequantize(q, scales, zeros, group)[1, :group] == 0)  # zeros stay exact
 
 
 @pytest.mark.parametrize("group,k", [(128, 576), (64, 96), (128, 64)])
@@ -83,10 +93,10 @@ def test_rtn_partial_last_group(group, k):
     # SmolLM2's width: 576 = 4 x 128 + 64. The last group holds the remaining columns and its
     # range is its own (a group padded with zeros would have the same range: it holds 0).
     w = torch.randn(8, k) * 0.05
-    w[:, (k // group) * group:] *= 10                  # the short group has a larger range
+    w[:, (k // group) * group :] *= 10  # the short group has a larger range
     q, scales, zeros = rtn.quantize_rtn(w, group, partial_groups=True)
     assert q.shape == (8, k) and scales.shape == zeros.shape == (8, -(-k // group))
-    last = w[:, (k // group) * group:]
+    last = w[:, (k // group) * group :]
     span = last.amax(1).clamp(min=0) - last.amin(1).clamp(max=0)
     torch.testing.assert_close(scales[:, -1], span / 15)
     err = (rtn.dequantize(q, scales, zeros, group) - w).abs()
@@ -108,7 +118,7 @@ def test_partial_groups_quantize_every_linear(tok, method):
         m = copy.deepcopy(model)
         result = quantize_model(m, tok, method, 128, partial_groups=True, **CALIB)
         w = result.linears["model.layers.0.mlp.down_proj"]
-        assert w.scales.shape == w.zeros.shape == (64, 2)             # ceil(160 / 128)
+        assert w.scales.shape == w.zeros.shape == (64, 2)  # ceil(160 / 128)
         assert result.record()["partial_groups"] is True
         result.install(m)
         with torch.no_grad():
@@ -138,7 +148,7 @@ def test_rtn_model_leaves_weights_and_packs_all_linears(tok):
 
 
 def test_group_size_must_divide_in_features(tok):
-    model = tiny_model("tiny-llama", 0)          # hidden 64: group 128 does not divide it
+    model = tiny_model("tiny-llama", 0)  # hidden 64: group 128 does not divide it
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj.*64.*128"):
         quantize_model(model, tok, "gptq", 128, **CALIB)
     with pytest.raises(ValueError, match="not one of"):
@@ -146,6 +156,7 @@ def test_group_size_must_divide_in_features(tok):
 
 
 # --- GPTQ ----------------------------------------------------------------------------------
+
 
 def correlated_inputs(m=2048, k=256, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -192,7 +203,9 @@ def test_gptq_range_search_weighs_columns_by_their_hessian(act_order):
     h = torch.diag(d)
     q, s, z = gptq.gptq_quantize(w, h, 32, act_order=act_order)
     weighted_err = lambda w_q: (((w_q - w) ** 2) * d).sum()
-    s_plain, z_plain = rtn.group_params(w.reshape(32, 4, 32), gptq.SHRINK_STEPS)  # least sum |w - w'|^2.4
+    s_plain, z_plain = rtn.group_params(
+        w.reshape(32, 4, 32), gptq.SHRINK_STEPS
+    )  # least sum |w - w'|^2.4
     q_plain = rtn.quantize_with(w.reshape(32, 4, 32), s_plain[..., None], z_plain[..., None])
     w_plain = rtn.dequantize(q_plain.reshape(32, 128), s_plain, z_plain, 32)
     assert weighted_err(rtn.dequantize(q, s, z, 32)) < 0.5 * weighted_err(w_plain)
@@ -204,7 +217,7 @@ def test_gptq_model_beats_rtn_and_restores_weights(tok):
     inputs = linear_inputs(model, tok)
     r_rtn = quantize_model(model, tok, "rtn", 32, **CALIB)
     r_gptq = quantize_model(model, tok, "gptq", 32, act_order=False, **CALIB)
-    r_act = quantize_model(model, tok, "gptq", 32, **CALIB)                 # act-order: default
+    r_act = quantize_model(model, tok, "gptq", 32, **CALIB)  # act-order: default
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert output_mse(model, r_gptq, inputs) < 0.9 * output_mse(model, r_rtn, inputs)
     assert output_mse(model, r_act, inputs) < 0.9 * output_mse(model, r_rtn, inputs)
@@ -213,6 +226,7 @@ def test_gptq_model_beats_rtn_and_restores_weights(tok):
 
 
 # --- AWQ -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
 def test_awq_folding_keeps_the_fp_model_and_beats_rtn(tok, name):
@@ -225,7 +239,7 @@ def test_awq_folding_keeps_the_fp_model_and_beats_rtn(tok, name):
     rtn_mse = output_mse(model, r_rtn, inputs)
     norm_before = model.model.layers[0].input_layernorm.weight.clone()
 
-    r_awq = quantize_model(model, tok, "awq", 32, **CALIB)           # folds scales in place
+    r_awq = quantize_model(model, tok, "awq", 32, **CALIB)  # folds scales in place
     assert not torch.equal(norm_before, model.model.layers[0].input_layernorm.weight)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, logits, rtol=0, atol=1e-4)
@@ -254,8 +268,9 @@ def test_awq_search_sample_takes_every_position_in_proportion():
     take it about as often as the data holds it (1 in 64), be reproducible and hold the rows
     it says it holds."""
     from trtc.compiler.quantize.awq import ActivationSample
+
     windows, length, keep = 64, 64, 512
-    x = torch.arange(windows * length, dtype=torch.float32)[:, None].repeat(1, 3)   # row i holds i
+    x = torch.arange(windows * length, dtype=torch.float32)[:, None].repeat(1, 3)  # row i holds i
     samples = []
     for _ in range(2):
         sample = ActivationSample(windows * length, keep)
@@ -266,11 +281,12 @@ def test_awq_search_sample_takes_every_position_in_proportion():
     assert len(rows) == keep and len(set(rows.tolist())) == keep
     assert torch.equal(rows, samples[0].keep) and torch.equal(samples[0].tokens, samples[1].tokens)
     firsts = int((rows % length == 0).sum())
-    assert firsts < 3 * keep / length                  # 8 expected; a stride of 8 takes 64
+    assert firsts < 3 * keep / length  # 8 expected; a stride of 8 takes 64
     torch.testing.assert_close(samples[0].mean_abs, x.abs().mean(0))
 
 
 # --- FP8 -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_fp8_scales(tok, error_feedback):
@@ -283,10 +299,12 @@ def test_fp8_scales(tok, error_feedback):
         assert w.weight.dtype == torch.float8_e4m3fn and w.weight_scale.shape == (fp.shape[0],)
         torch.testing.assert_close(w.weight_scale, fp.abs().amax(1) / 448)
         torch.testing.assert_close(w.input_scale, inputs[name].abs().max() / 448)
-        if error_feedback:      # same grid, each weight one of its neighbouring E4M3 values or so
+        if error_feedback:  # same grid, each weight one of its neighbouring E4M3 values or so
             assert ((w.dequantize() - fp).norm() / fp.norm()).item() < 0.1
-        else:                   # nearest rounding: each row uses the whole range
-            assert torch.equal(w.weight.float(), (fp / w.weight_scale[:, None]).to(torch.float8_e4m3fn).float())
+        else:  # nearest rounding: each row uses the whole range
+            assert torch.equal(
+                w.weight.float(), (fp / w.weight_scale[:, None]).to(torch.float8_e4m3fn).float()
+            )
             assert torch.all(w.weight.float().abs().amax(1) == 448)
     assert fp8_mod.input_scale(0.0).item() == 1.0
 
@@ -320,21 +338,27 @@ def test_fp8_model_runs_through_the_plugin_close_to_fp(tok):
 
 # --- calibration ---------------------------------------------------------------------------
 
+
 def test_default_calibration_text_is_deterministic_and_hashed(tok):
     a = calibration_data(tok, None, 8, 128)
     b = calibration_data(tok, None, 8, 128)
     assert a.batches == b.batches and len(a.batches) == 8
     assert all(len(x) == 128 for x in a.batches)
     assert a.text_sha256 == text_sha256(default_text()) and len(a.text_sha256) == 64
-    assert a.record() == {"source": DEFAULT_SOURCE, "path": None, "text_sha256": a.text_sha256,
-                          "num_samples": 8, "seq_len": 128}
+    assert a.record() == {
+        "source": DEFAULT_SOURCE,
+        "path": None,
+        "text_sha256": a.text_sha256,
+        "num_samples": 8,
+        "seq_len": 128,
+    }
     # Windows are spread over the whole text, disjoint when it is long enough.
     assert len({tuple(x) for x in a.batches}) == 8
 
 
 def test_calibration_file(tok, tmp_path):
     path = tmp_path / "calib.txt"
-    path.write_text("abcdefghij" * 10)                    # 100 byte tokens
+    path.write_text("abcdefghij" * 10)  # 100 byte tokens
     data = calibration_data(tok, str(path), 3, 40)
     assert data.source == "file" and data.path == str(path)
     assert data.batches[0] == list(b"abcdefghij" * 4)
@@ -347,5 +371,12 @@ def test_missing_calibration_file_is_a_clear_error(tok, tmp_path):
     with pytest.raises(ValueError, match=r"calibration file .*nope\.txt.* does not exist"):
         calibration_token_batches(tok, str(tmp_path / "nope.txt"), 4, 64)
     with pytest.raises(ValueError, match="does not exist"):
-        quantize_model(tiny_model("tiny-llama", 0), tok, "awq", 32,
-                       calibration_path=str(tmp_path / "nope.txt"), num_samples=4, seq_len=64)
+        quantize_model(
+            tiny_model("tiny-llama", 0),
+            tok,
+            "awq",
+            32,
+            calibration_path=str(tmp_path / "nope.txt"),
+            num_samples=4,
+            seq_len=64,
+        )

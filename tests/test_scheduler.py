@@ -5,14 +5,15 @@ reads a sequence's context back from the slots of its block table. Its next toke
 that context, so a stale block, a wrong prefix-cache hit or a lost token after preemption changes
 the output, which the tests compare with a run that had room for everything.
 """
+
 from __future__ import annotations
 
 import pytest
 
-from trtc.runtime.block_manager import BlockManager
-from trtc.runtime.scheduler import ScheduledBatch, Scheduler
-from trtc.runtime.sequence import SamplingParams, Sequence, SequenceStatus
-from trtc.runtime.step import make_step
+from trtc.contract import make_step
+from trtc.runtime.core.block_manager import BlockManager
+from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
+from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 EOS = 2
 
@@ -31,12 +32,14 @@ class FakeModel:
         device has them (the host has not appended them yet)."""
         work = batch.to_work()
         if input_ids is not None:
-            assert batch.ahead and all(w.new_tokens == [0] and w.num_cached == s.num_tokens
-                                       for s, w in zip(batch.seqs, work))
+            assert batch.ahead and all(
+                w.new_tokens == [0] and w.num_cached == s.num_tokens
+                for s, w in zip(batch.seqs, work)
+            )
             for w, tok in zip(work, input_ids):
                 w.new_tokens = [tok]
-        tensors = make_step(work, self.bm.block_size)   # the step contract accepts it
-        slots = tensors["slot_mapping"].tolist()
+        tensors = make_step(work, self.bm.block_size)  # the step contract accepts it
+        slots = tensors.slot_mapping.tolist()
         assert len(slots) == len(set(slots)), "two tokens of one step write the same KV slot"
         for s in slots:
             block = self.bm.blocks[s // self.bm.block_size]
@@ -93,7 +96,7 @@ def test_chunked_prefill_splits_a_long_prompt():
         chunks.append(batch.num_new_tokens)
         sched.postprocess(batch, model.step(batch))
     assert chunks == [[32], [32], [32], [4]]
-    assert s.num_output_tokens == 1       # a token only once the whole prompt was computed
+    assert s.num_output_tokens == 1  # a token only once the whole prompt was computed
     run(sched, model)
     assert s.finish_reason == "length" and s.num_output_tokens == 3
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
@@ -104,7 +107,7 @@ def test_a_step_mixes_decode_tokens_and_a_prefill_chunk():
     a = seq("a", 10, max_tokens=20)
     sched.add(a)
     batch = sched.schedule()
-    sched.postprocess(batch, model.step(batch))          # a is decoding now
+    sched.postprocess(batch, model.step(batch))  # a is decoding now
     sched.add(seq("b", 100, start=500))
     batch = sched.schedule()
     assert [s.request_id for s in batch.seqs] == ["a", "b"]
@@ -168,9 +171,9 @@ def test_preemption_lets_more_requests_than_fit_all_finish():
 
 def test_preempted_sequence_goes_back_to_the_front_and_recomputes_everything():
     sched, model = make(num_blocks=4, block_size=4, max_num_seqs=3, budget=64)
-    a, b = seq("a", 4, max_tokens=9), seq("b", 4, max_tokens=9, start=300)   # 3 blocks each at most
+    a, b = seq("a", 4, max_tokens=9), seq("b", 4, max_tokens=9, start=300)  # 3 blocks each at most
     c = seq("c", 2, max_tokens=2, start=600)
-    d = seq("d", 2, max_tokens=2, start=800)   # waits: max_num_seqs
+    d = seq("d", 2, max_tokens=2, start=800)  # waits: max_num_seqs
     for s in (a, b, c, d):
         sched.add(s)
     preempted = []
@@ -181,10 +184,10 @@ def test_preempted_sequence_goes_back_to_the_front_and_recomputes_everything():
             break
         sched.postprocess(batch, model.step(batch))
     victim = preempted[0]
-    assert victim is not a and victim.status is SequenceStatus.WAITING   # the newest gives way
+    assert victim is not a and victim.status is SequenceStatus.WAITING  # the newest gives way
     assert victim.block_table == [] and victim.num_computed_tokens == 0
-    assert list(sched.waiting) == [victim, d]             # ahead of those that never ran
-    assert victim.num_output_tokens > 0                   # keeps what it generated ...
+    assert list(sched.waiting) == [victim, d]  # ahead of those that never ran
+    assert victim.num_output_tokens > 0  # keeps what it generated ...
     assert all(s is not victim for s in batch.seqs)
     sched.postprocess(batch, model.step(batch))
     run(sched, model)
@@ -195,7 +198,7 @@ def test_preempted_sequence_goes_back_to_the_front_and_recomputes_everything():
 
 def test_request_that_can_never_fit_is_rejected():
     sched, _ = make(num_blocks=4, block_size=4)
-    sched.add(seq("fits", 10, max_tokens=7))           # 16 KV slots: the last token is never fed back
+    sched.add(seq("fits", 10, max_tokens=7))  # 16 KV slots: the last token is never fed back
     with pytest.raises(ValueError, match="needs 5 KV blocks.*pool has 4"):
         sched.add(seq("too-big", 10, max_tokens=8))
     with pytest.raises(ValueError, match="already in use"):
@@ -232,7 +235,7 @@ def test_max_num_seqs_is_respected():
     batch = sched.schedule()
     assert len(batch) == 3 and sched.num_running == 3 and sched.num_waiting == 7
     sched.postprocess(batch, model.step(batch))
-    batches = run(sched, model)     # run() asserts the limit on every step
+    batches = run(sched, model)  # run() asserts the limit on every step
     assert max(len(b) for b in batches) == 3
     assert all(r.num_output_tokens == 4 for r in reqs)
 
@@ -247,7 +250,7 @@ def test_shared_prefix_is_computed_once():
     sched.postprocess(batch, model.step(batch))
     sched.add(b)
     batch = sched.schedule()
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2]   # b only runs its own 2 tokens
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2]  # b only runs its own 2 tokens
     assert b.num_cached_prefix_tokens == 64 and b.block_table[:4] == a.block_table[:4]
     sched.postprocess(batch, model.step(batch))
     run(sched, model)
@@ -295,9 +298,9 @@ def test_work_is_valid_for_the_step_contract():
     batch = sched.schedule()
     assert batch.num_new_tokens == [30, 7, 11]
     step = make_step(batch.to_work(), 16)
-    assert step["query_start_loc"].tolist() == [0, 30, 37, 48]
-    assert step["context_lens"].tolist() == [30, 7, 11]
-    assert step["input_ids"].tolist()[30:37] == list(range(100, 107))
+    assert step.query_start_loc.tolist() == [0, 30, 37, 48]
+    assert step.context_lens.tolist() == [30, 7, 11]
+    assert step.input_ids.tolist()[30:37] == list(range(100, 107))
     for s, w in zip(batch.seqs, batch.to_work()):
         assert len(w.block_table) * 16 >= w.num_cached + len(w.new_tokens)
         assert w.block_table == s.block_table

@@ -1,5 +1,6 @@
 """The HTTP server's contract, on a tiny model (fast): errors, 429, API key, disconnects,
 SIGTERM draining, metrics. The SmolLM2 golden checks are in test_server_golden.py."""
+
 from __future__ import annotations
 
 import json
@@ -9,57 +10,123 @@ import httpx
 import openai
 import pytest
 
-from serving import ServerProcess
+from harness.serving import ServerProcess
 
 MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_artifacts, tmp_path_factory):
-    srv = ServerProcess(tiny_artifacts[MODEL], tmp_path_factory.mktemp("srv") / "server.log",
-                        "--max-pending", "4")
+    srv = ServerProcess(
+        tiny_artifacts[MODEL], tmp_path_factory.mktemp("srv") / "server.log", "--max-pending", "4"
+    )
     yield srv
     srv.stop()
 
 
 def post(srv, path, body, **kw):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(f"{srv.url}{path}", content=content, headers={"content-type": "application/json"},
-                      timeout=60, **kw)
+    return httpx.post(
+        f"{srv.url}{path}",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=60,
+        **kw,
+    )
 
 
 def ok_request(srv):
-    r = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    r = post(
+        srv,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 BAD = [
     ("malformed json", "/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400, None),
-    ("not an object", "/v1/completions", b'[1, 2]', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("missing model", "/v1/completions", {"prompt": "x"}, 400, "model"),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("wrong type max_tokens", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    (
+        "wrong type max_tokens",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": "ten"},
+        400,
+        "max_tokens",
+    ),
     ("wrong type prompt", "/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
-    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-    ("max_tokens zero", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ("max_tokens negative", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, 400, "max_tokens"),
-    ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "x" * 600, "max_tokens": 4}, 400, "max_tokens"),
-    ("completion too long", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "max_tokens zero",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    (
+        "max_tokens negative",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5},
+        400,
+        "max_tokens",
+    ),
+    (
+        "prompt too long",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x" * 600, "max_tokens": 4},
+        400,
+        "max_tokens",
+    ),
+    (
+        "completion too long",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 100000},
+        400,
+        "max_tokens",
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-    ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
+    (
+        "temperature out of range",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "temperature": 5},
+        400,
+        "temperature",
+    ),
     ("top_p zero", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("top_k negative", "/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -1}, 400, "top_k"),
+    (
+        "top_k negative",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "top_k": -1},
+        400,
+        "top_k",
+    ),
     ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-    ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, None),
+    (
+        "token id out of vocab",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 2, 99999]},
+        400,
+        None,
+    ),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
 ]
 
 
 @pytest.mark.parametrize("case,path,body,status,param", BAD, ids=[b[0] for b in BAD])
-def test_bad_request_gets_openai_error_then_server_still_serves(server, case, path, body, status, param):
+def test_bad_request_gets_openai_error_then_server_still_serves(
+    server, case, path, body, status, param
+):
     r = post(server, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -83,9 +150,18 @@ def test_official_client_raises_typed_errors(server):
 def test_queue_full_answers_429(server):
     """--max-pending 4: a fifth request while four stream gets 429, and the four finish."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    streams = [client.completions.create(model=MODEL, prompt="busy", max_tokens=300, temperature=0,
-                                         stream=True, extra_body={"ignore_eos": True}) for _ in range(4)]
-    firsts = [next(iter(s)) for s in streams]          # all four are admitted and running
+    streams = [
+        client.completions.create(
+            model=MODEL,
+            prompt="busy",
+            max_tokens=300,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in range(4)
+    ]
+    firsts = [next(iter(s)) for s in streams]  # all four are admitted and running
     assert all(f.choices for f in firsts)
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=MODEL, prompt="one more", max_tokens=4)
@@ -104,20 +180,38 @@ def test_disconnects_free_blocks(server):
     """Finished, stopped and client-cancelled requests: afterwards every KV block is free."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     client.completions.create(model=MODEL, prompt="finish", max_tokens=8, temperature=0)
-    stopped = client.completions.create(model=MODEL, prompt="stop", max_tokens=64, temperature=1.0, seed=3,
-                                        stop=["e", "a", "o", "i"])
+    stopped = client.completions.create(
+        model=MODEL,
+        prompt="stop",
+        max_tokens=64,
+        temperature=1.0,
+        seed=3,
+        stop=["e", "a", "o", "i"],
+    )
     assert stopped.choices[0].finish_reason in ("stop", "length")
     # A streaming client that goes away after two chunks.
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "cancel me", "max_tokens": 400, "stream": True,
-                            "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "prompt": "cancel me",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
     # A non-streaming client that times out (on this tiny model it may also just finish first).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", timeout=0.3,
-                   json={"model": MODEL, "prompt": "slow", "max_tokens": 400, "ignore_eos": True})
+        httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=0.3,
+            json={"model": MODEL, "prompt": "slow", "max_tokens": 400, "ignore_eos": True},
+        )
     m = server.wait_idle()
     assert m["trtc_kv_blocks_used"] == 0 and m["trtc_running_sequences"] == 0
     assert m['trtc_requests_total{finish_reason="abort"}'] >= 1
@@ -125,13 +219,24 @@ def test_disconnects_free_blocks(server):
 
 def test_stop_string_is_honoured(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    full = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert len(full) > 10
     stop = full[5:8]
-    cut = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    cut = client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=40,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
 
 
 def test_streaming_and_plain_agree(server):
@@ -139,8 +244,12 @@ def test_streaming_and_plain_agree(server):
     kw = dict(model=MODEL, max_tokens=20, temperature=0)
     plain = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
     parts, reasons = [], []
-    for chunk in client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
-                                                stream_options={"include_usage": True}, **kw):
+    for chunk in client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    ):
         if chunk.choices:
             parts.append(chunk.choices[0].delta.content or "")
             reasons.append(chunk.choices[0].finish_reason)
@@ -153,10 +262,17 @@ def test_streaming_and_plain_agree(server):
 def test_metrics_exposes_serving_numbers(server):
     ok_request(server)
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("trtc_queue_length", "trtc_running_sequences", "trtc_kv_blocks_used",
-                 "trtc_prefix_cache_hits_total", "trtc_time_to_first_token_seconds_bucket",
-                 "trtc_time_per_output_token_seconds_bucket", "trtc_prompt_tokens_total",
-                 "trtc_generation_tokens_total", "process_resident_memory_bytes"):
+    for name in (
+        "trtc_queue_length",
+        "trtc_running_sequences",
+        "trtc_kv_blocks_used",
+        "trtc_prefix_cache_hits_total",
+        "trtc_time_to_first_token_seconds_bucket",
+        "trtc_time_per_output_token_seconds_bucket",
+        "trtc_prompt_tokens_total",
+        "trtc_generation_tokens_total",
+        "process_resident_memory_bytes",
+    ):
         assert name in text, name
     h = httpx.get(f"{server.url}/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL
@@ -169,7 +285,10 @@ def test_api_key_required(tiny_artifacts, tmp_path):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{srv.url}/health").status_code == 200
         good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0)
-        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+        assert (
+            good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+            is not None
+        )
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
     finally:
@@ -179,8 +298,14 @@ def test_api_key_required(tiny_artifacts, tmp_path):
 def test_sigterm_drains_in_flight_requests(tiny_artifacts, tmp_path):
     srv = ServerProcess(tiny_artifacts[MODEL], tmp_path / "server.log")
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model=MODEL, prompt="drain", max_tokens=400, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="drain",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     it = iter(stream)
     next(it)
     srv.proc.send_signal(signal.SIGTERM)
@@ -188,7 +313,7 @@ def test_sigterm_drains_in_flight_requests(tiny_artifacts, tmp_path):
     for chunk in it:
         tokens += 1
         reason = chunk.choices[0].finish_reason or reason
-    assert reason == "length" and tokens > 2       # the request ran to its end after SIGTERM
+    assert reason == "length" and tokens > 2  # the request ran to its end after SIGTERM
     # uvicorn re-raises the signal after its graceful shutdown, so the exit status says SIGTERM.
     assert srv.proc.wait(timeout=60) in (0, -signal.SIGTERM)
     srv.stop()

@@ -1,6 +1,7 @@
 """The real server on loopback, driven by the official `openai` client, against Hugging Face
 transformers on SmolLM2 (fp32 artifact): concurrent greedy requests, in-flight batching, prefix
 caching, a KV pool too small for everyone."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -13,18 +14,32 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from serving import ServerProcess
+from harness.serving import ServerProcess
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
 NEAR_TIE = 1e-3
 
-CHAT = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
-        "Write a haiku about the sea.", "Who wrote Romeo and Juliet?", "Give me a synonym for happy.",
-        "How many legs does a spider have?", "What is the boiling point of water in Celsius?"]
-PLAIN = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a small village,",
-         "The three laws of thermodynamics are", "import numpy as np\n", "Paris is the capital of",
-         "The recipe for pancakes calls for", "In 1969, the first humans"]
+CHAT = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Write a haiku about the sea.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+]
+PLAIN = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "import numpy as np\n",
+    "Paris is the capital of",
+    "The recipe for pancakes calls for",
+    "In 1969, the first humans",
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +64,28 @@ def reference(smollm2_hf, smollm2_fp32):
     """Greedy transformers `generate` for one prompt alone, with its per-step scores."""
     hf, _ = smollm2_hf
     tok = AutoTokenizer.from_pretrained(smollm2_fp32 / "tokenizer")
-    eos = sorted({tok.eos_token_id, *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))})
+    eos = sorted(
+        {tok.eos_token_id, *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))}
+    )
 
     def generate(prompt_ids: list[int], max_new: int = MAX_TOKENS):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False,
-                              eos_token_id=eos, pad_token_id=eos[0], output_scores=True,
-                              return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
+            out = hf.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, len(prompt_ids) :].tolist()
         return tokens, [s[0] for s in out.scores]
 
     def chat_ids(text):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def plain_ids(text):
@@ -76,11 +101,13 @@ def reference(smollm2_hf, smollm2_fp32):
         if text == want:
             return "identical"
         for k in range(len(tokens)):
-            if not text.startswith(tok.decode(tokens[:k + 1], skip_special_tokens=True)):
+            if not text.startswith(tok.decode(tokens[: k + 1], skip_special_tokens=True)):
                 top2 = torch.topk(scores[k].float(), 2).values
                 gap = float(top2[0] - top2[1])
-                assert gap < NEAR_TIE, (f"diverged at token {k} where transformers' top-2 logits differ "
-                                        f"by {gap:.3g}:\n ours: {text!r}\n hf:   {want!r}")
+                assert gap < NEAR_TIE, (
+                    f"diverged at token {k} where transformers' top-2 logits differ "
+                    f"by {gap:.3g}:\n ours: {text!r}\n hf:   {want!r}"
+                )
                 return f"near tie at token {k} (gap {gap:.1e})"
         raise AssertionError(f"ours {text!r} vs transformers {want!r}")
 
@@ -88,10 +115,18 @@ def reference(smollm2_hf, smollm2_fp32):
     return check
 
 
-def run_request(client, model, kind: str, text: str, stream: bool, max_tokens=MAX_TOKENS, **kw) -> tuple[str, str]:
+def run_request(
+    client, model, kind: str, text: str, stream: bool, max_tokens=MAX_TOKENS, **kw
+) -> tuple[str, str]:
     if kind == "chat":
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                           max_tokens=max_tokens, temperature=0, stream=stream, **kw)
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=stream,
+            **kw,
+        )
         if not stream:
             return r.choices[0].message.content, r.choices[0].finish_reason
         parts, reason = [], None
@@ -99,7 +134,9 @@ def run_request(client, model, kind: str, text: str, stream: bool, max_tokens=MA
             parts.append(c.choices[0].delta.content or "")
             reason = c.choices[0].finish_reason or reason
         return "".join(parts), reason
-    r = client.completions.create(model=model, prompt=text, max_tokens=max_tokens, temperature=0, stream=stream, **kw)
+    r = client.completions.create(
+        model=model, prompt=text, max_tokens=max_tokens, temperature=0, stream=stream, **kw
+    )
     if not stream:
         return r.choices[0].text, r.choices[0].finish_reason
     parts, reason = [], None
@@ -110,7 +147,9 @@ def run_request(client, model, kind: str, text: str, stream: bool, max_tokens=MA
 
 
 def test_16_concurrent_requests_match_transformers(client, model_name, reference, server):
-    jobs = [("chat", t, i % 2 == 0) for i, t in enumerate(CHAT)] + [("plain", t, i % 2 == 1) for i, t in enumerate(PLAIN)]
+    jobs = [("chat", t, i % 2 == 0) for i, t in enumerate(CHAT)] + [
+        ("plain", t, i % 2 == 1) for i, t in enumerate(PLAIN)
+    ]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: run_request(client, model_name, *j), jobs))
     notes = []
@@ -128,14 +167,21 @@ def test_16_concurrent_requests_match_transformers(client, model_name, reference
 def test_short_request_joins_running_batch_and_finishes_first(client, model_name, server):
     before = server.metrics().get('trtc_steps_total{kind="mixed"}', 0)
     done = {}
-    long_stream = client.completions.create(model=model_name, prompt="Tell me a long story about a dragon.",
-                                            max_tokens=48, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
+    long_stream = client.completions.create(
+        model=model_name,
+        prompt="Tell me a long story about a dragon.",
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     it = iter(long_stream)
-    next(it), next(it)                          # the long request is decoding
+    next(it), next(it)  # the long request is decoding
 
     def short():
-        client.completions.create(model=model_name, prompt="Hello there, how are", max_tokens=3, temperature=0)
+        client.completions.create(
+            model=model_name, prompt="Hello there, how are", max_tokens=3, temperature=0
+        )
         done["short"] = time.monotonic()
 
     t = threading.Thread(target=short)
@@ -150,12 +196,14 @@ def test_short_request_joins_running_batch_and_finishes_first(client, model_name
 
 
 def test_shared_prefix_reuses_blocks(client, model_name, reference, server):
-    prefix = reference.plain_ids("The history of the printing press begins in the fifteenth century, when "
-                                 "Johannes Gutenberg of Mainz combined movable metal type, oil-based ink and "
-                                 "a wooden press adapted from wine making. His workshop printed the famous "
-                                 "Bible around 1455, and the technique spread across Europe within decades, reaching "
-                                 "Venice, Paris and London, where printers produced books, pamphlets and maps "
-                                 "in numbers no scribe could match, ")[:64]
+    prefix = reference.plain_ids(
+        "The history of the printing press begins in the fifteenth century, when "
+        "Johannes Gutenberg of Mainz combined movable metal type, oil-based ink and "
+        "a wooden press adapted from wine making. His workshop printed the famous "
+        "Bible around 1455, and the technique spread across Europe within decades, reaching "
+        "Venice, Paris and London, where printers produced books, pamphlets and maps "
+        "in numbers no scribe could match, "
+    )[:64]
     assert len(prefix) == 64
     a = prefix + reference.plain_ids("which changed science forever. The")
     b = prefix + reference.plain_ids("so that by 1500 there were")
@@ -173,14 +221,22 @@ def test_small_kv_pool_preempts_and_matches(client, model_name, smollm2_fp32, tm
     prompts = [f"Count from {i} to {i + 30}: " for i in range(8)]
     kw = dict(max_tokens=40, extra_body={"ignore_eos": True})
     with cf.ThreadPoolExecutor(8) as pool:
-        unconstrained = list(pool.map(lambda p: run_request(client, model_name, "plain", p, False, **kw)[0], prompts))
+        unconstrained = list(
+            pool.map(lambda p: run_request(client, model_name, "plain", p, False, **kw)[0], prompts)
+        )
     # 14 blocks of 16 tokens: two of these requests at a time, so the rest wait or get preempted.
     small = ServerProcess(smollm2_fp32, tmp_path / "small.log", "--num-blocks", "14")
     try:
-        small_client = openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        small_client = openai.OpenAI(
+            base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=600
+        )
         with cf.ThreadPoolExecutor(8) as pool:
-            constrained = list(pool.map(
-                lambda p: run_request(small_client, model_name, "plain", p, True, **kw)[0], prompts))
+            constrained = list(
+                pool.map(
+                    lambda p: run_request(small_client, model_name, "plain", p, True, **kw)[0],
+                    prompts,
+                )
+            )
         m = small.wait_idle()
         assert constrained == unconstrained
         assert m["trtc_preemptions_total"] > 0

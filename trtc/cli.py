@@ -1,22 +1,26 @@
 """The `trtc` command."""
+
 from __future__ import annotations
 
 import signal
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
-from trtc.runtime.executor import EXECUTORS      # light: no torch at import
+from trtc.runtime.executors import EXECUTORS  # light: no torch at import
 
 app = typer.Typer(
-    name="trtc", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    name="trtc",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
     help="Compile Hugging Face decoder LLMs (Llama, Mistral, Qwen2) into optimized, "
-         "plugin-bearing ONNX/TensorRT artifacts, inspect them, and serve them with in-flight "
-         "batching over a paged KV cache.")
+    "plugin-bearing ONNX/TensorRT artifacts, inspect them, and serve them with in-flight "
+    "batching over a paged KV cache.",
+)
 err = Console(stderr=True, highlight=False)
 
 
@@ -32,8 +36,12 @@ def _sigterm_as_interrupt(signum, frame):
 @app.command()
 def build(
     config: Path = typer.Argument(..., help="build config (YAML); see README 'Build config'"),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="artifact directory (overrides the config's `output`)"),
-    force: bool = typer.Option(False, "--force", help="replace an existing artifact at the output path"),
+    output: str | None = typer.Option(
+        None, "--output", "-o", help="artifact directory (overrides the config's `output`)"
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="replace an existing artifact at the output path"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
 ):
     """Compile a model: load -> export to ONNX -> graph passes -> artifact.
@@ -41,19 +49,20 @@ def build(
     The artifact (manifest.json, model.onnx + model.onnx.data, tokenizer/, build.log) appears
     at the output path only when the whole build succeeded."""
     from trtc.compiler.config import load_config
-    from trtc.compiler.errors import TrtcError
+    from trtc.errors import TrtcError
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        cfg = load_config(config)          # fast: a bad config fails before torch is imported
+        cfg = load_config(config)  # fast: a bad config fails before torch is imported
         from trtc.compiler.build import build as run_build
         from trtc.compiler.progress import Progress
+
         out = run_build(cfg, output=output, force=force, progress=Progress(quiet=quiet))
     except TrtcError as e:
         _fail(e)
     except KeyboardInterrupt:
         err.print("interrupted: nothing was written")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if not quiet:
         err.print(f"artifact: {out}   (inspect it with: trtc inspect {out})")
 
@@ -62,60 +71,91 @@ def build(
 def inspect(
     artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
     json_out: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
-    no_verify: bool = typer.Option(False, "--no-verify", help="skip checking file sizes and hashes"),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="skip checking file sizes and hashes"
+    ),
 ):
     """Show what an artifact holds: model, precision, fusions, plugin nodes, KV-cache geometry,
     weight bytes and engines."""
-    import json
-
-    from trtc.compiler.errors import TrtcError
     from trtc.compiler.inspect import inspect_artifact
+    from trtc.errors import TrtcError
+
     try:
         if json_out:
-            from trtc.compiler.artifact import read_manifest, verify_files
-            m = read_manifest(artifact)
+            from trtc.artifact import Artifact
+
+            opened = Artifact.open(artifact)
             if not no_verify:
-                verify_files(artifact, m)
-            print(json.dumps(m, indent=2))
+                opened.verify()
+            print(opened.manifest.to_json(), end="")
         else:
             inspect_artifact(artifact, Console(), verify=not no_verify)
     except TrtcError as e:
         _fail(e)
 
 
-def _engine_config(executor, num_blocks, kv_cache_memory_mib, max_num_seqs, max_num_batched_tokens,
-                   no_prefix_caching, no_async_scheduling=False):
+def _engine_config(
+    executor,
+    num_blocks,
+    kv_cache_memory_mib,
+    max_num_seqs,
+    max_num_batched_tokens,
+    no_prefix_caching,
+    no_async_scheduling=False,
+):
     from trtc.runtime.engine import EngineConfig
-    return EngineConfig(executor=executor, num_blocks=num_blocks,
-                        kv_cache_memory=int(kv_cache_memory_mib * 2**20), max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens,
-                        enable_prefix_caching=not no_prefix_caching,
-                        async_scheduling=False if no_async_scheduling else None)
+
+    return EngineConfig(
+        executor=executor,
+        num_blocks=num_blocks,
+        kv_cache_memory=int(kv_cache_memory_mib * 2**20),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=not no_prefix_caching,
+        async_scheduling=False if no_async_scheduling else None,
+    )
 
 
-ASYNC_HELP = ("wait for each step's tokens before queuing the next (by default the cuda executor queues "
-              "a decode step before the previous one's tokens are read, so host work overlaps the GPU)")
+ASYNC_HELP = (
+    "wait for each step's tokens before queuing the next (by default the cuda executor queues "
+    "a decode step before the previous one's tokens are read, so host work overlaps the GPU)"
+)
 
 
-EXECUTOR_HELP = ("auto: an engine of the artifact this host can run (tensorrt), else cuda on a GPU, else "
-                 "torch (the compiled graph on CPU); naming one forces it, and fails if this host cannot run it")
+EXECUTOR_HELP = (
+    "auto: an engine of the artifact this host can run (tensorrt), else cuda on a GPU, else "
+    "torch (the compiled graph on CPU); naming one forces it, and fails if this host cannot run it"
+)
 Executor = Enum("Executor", {name: name for name in EXECUTORS}, type=str)
 
 
 @app.command()
 def serve(
     artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
-    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"),
+    host: str = typer.Option(
+        "127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)"
+    ),
     port: int = typer.Option(8000, help="TCP port"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY",
-                                          help="require 'Authorization: Bearer KEY' on /v1 endpoints"),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $TRTC_API_KEY)",
+    ),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
-    num_blocks: Optional[int] = typer.Option(None, help="KV-cache blocks in the pool (default: from --kv-cache-memory)"),
+    num_blocks: int | None = typer.Option(
+        None, help="KV-cache blocks in the pool (default: from --kv-cache-memory)"
+    ),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
-    max_num_seqs: Optional[int] = typer.Option(None, help="sequences per step (default: the artifact's limit)"),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, help="tokens per step (default: the artifact's limit)"),
+    max_num_seqs: int | None = typer.Option(
+        None, help="sequences per step (default: the artifact's limit)"
+    ),
+    max_num_batched_tokens: int | None = typer.Option(
+        None, help="tokens per step (default: the artifact's limit)"
+    ),
     max_pending: int = typer.Option(256, help="requests in flight before new ones get 429"),
-    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="do not reuse KV blocks of shared prompt prefixes"),
+    no_prefix_caching: bool = typer.Option(
+        False, "--no-prefix-caching", help="do not reuse KV blocks of shared prompt prefixes"
+    ),
     no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
 ):
     """Serve an artifact over an OpenAI-compatible HTTP API: /v1/completions,
@@ -123,17 +163,30 @@ def serve(
     SIGTERM or Ctrl-C stops accepting connections and lets running requests finish."""
     import logging
 
-    from trtc.compiler.errors import TrtcError
+    from trtc import envs
+    from trtc.errors import TrtcError
     from trtc.runtime.engine import LLMEngine
-    from trtc.runtime.server import serve as run_server
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from trtc.runtime.serving.server import serve as run_server
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
-        engine = LLMEngine(artifact, _engine_config(executor.value, num_blocks, kv_cache_memory, max_num_seqs,
-                                                    max_num_batched_tokens, no_prefix_caching,
-                                                    no_async_scheduling))
+        engine = LLMEngine(
+            artifact,
+            _engine_config(
+                executor.value,
+                num_blocks,
+                kv_cache_memory,
+                max_num_seqs,
+                max_num_batched_tokens,
+                no_prefix_caching,
+                no_async_scheduling,
+            ),
+        )
     except TrtcError as e:
         _fail(e)
-    run_server(engine, host, port, api_key, max_pending)
+    run_server(engine, host, port, api_key or envs.TRTC_API_KEY, max_pending)
 
 
 @app.command()
@@ -144,19 +197,29 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0, help="nucleus sampling mass"),
     top_k: int = typer.Option(0, help="0 = off"),
-    seed: Optional[int] = typer.Option(None, help="seed for reproducible sampling"),
+    seed: int | None = typer.Option(None, help="seed for reproducible sampling"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
 ):
     """Generate one completion and stream it to the terminal."""
-    from trtc.compiler.errors import TrtcError
+    from trtc.errors import TrtcError
+    from trtc.runtime.core.sequence import SamplingParams
     from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError
-    from trtc.runtime.sequence import SamplingParams
+
     try:
-        engine = LLMEngine(artifact, EngineConfig(executor=executor.value, kv_cache_memory=256 << 20, max_num_seqs=1))
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        engine = LLMEngine(
+            artifact,
+            EngineConfig(executor=executor.value, kv_cache_memory=256 << 20, max_num_seqs=1),
+        )
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
         if chat:
-            engine.add_request(None, params, prompt_ids=engine.apply_chat_template([{"role": "user", "content": prompt}]))
+            engine.add_request(
+                None,
+                params,
+                prompt_ids=engine.apply_chat_template([{"role": "user", "content": prompt}]),
+            )
         else:
             engine.add_request(prompt, params)
     except (TrtcError, RequestError) as e:
@@ -175,16 +238,20 @@ def evaluate(
     artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
     text: Path = typer.Option(..., "--text", help="text file to measure perplexity on"),
     window: int = typer.Option(512, help="tokens per evaluation window"),
-    max_windows: Optional[int] = typer.Option(None, help="evaluate only the first N windows"),
-    bos: bool = typer.Option(True, help="open each window with the tokenizer's BOS token (not scored), "
-                                        "as a served prompt opens; --no-bos scores the bare text"),
+    max_windows: int | None = typer.Option(None, help="evaluate only the first N windows"),
+    bos: bool = typer.Option(
+        True,
+        help="open each window with the tokenizer's BOS token (not scored), "
+        "as a served prompt opens; --no-bos scores the bare text",
+    ),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
 ):
     """Perplexity of an artifact on a text file, computed on the compiled graph by the runtime's
     executor: compare a quantized artifact with its unquantized source. The text is cut into
     windows scored as fresh sequences."""
-    from trtc.compiler.errors import TrtcError
+    from trtc.errors import TrtcError
     from trtc.runtime.evaluate import perplexity
+
     if not text.is_file():
         raise typer.BadParameter(f"{text} does not exist", param_hint="--text")
     try:
@@ -192,7 +259,10 @@ def evaluate(
     except (TrtcError, ValueError) as e:
         _fail(e)
     opening = ", each opened by BOS" if r["bos"] else ""
-    print(f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows of {r['window']}{opening})")
+    print(
+        f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens "
+        f"({r['windows']} windows of {r['window']}{opening})"
+    )
 
 
 def _range(text: str, name: str) -> tuple[int, int]:
@@ -203,28 +273,49 @@ def _range(text: str, name: str) -> tuple[int, int]:
             raise ValueError
         return lo, hi
     except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected MIN:MAX with 1 <= MIN <= MAX (or one number)", param_hint=name)
+        raise typer.BadParameter(
+            f"{text!r}: expected MIN:MAX with 1 <= MIN <= MAX (or one number)", param_hint=name
+        ) from None
 
 
 @app.command()
 def bench(
-    artifact: Optional[Path] = typer.Argument(None, help="artifact to load in-process (or use --url)"),
-    url: Optional[str] = typer.Option(None, help="benchmark a running `trtc serve` at this URL instead"),
+    artifact: Path | None = typer.Argument(None, help="artifact to load in-process (or use --url)"),
+    url: str | None = typer.Option(
+        None, help="benchmark a running `trtc serve` at this URL instead"
+    ),
     num_requests: int = typer.Option(64, "--num-requests", "-n", help="requests in the set"),
     prompt_len: str = typer.Option("32:256", help="prompt tokens, MIN:MAX (uniform)"),
     output_len: str = typer.Option("16:128", help="output tokens, MIN:MAX (uniform; EOS ignored)"),
     seed: int = typer.Option(0, help="seed of the request set and of Poisson arrivals"),
-    concurrency: int = typer.Option(16, help="requests in flight (in-flight mode) / batch size (static mode)"),
-    rate: Optional[float] = typer.Option(None, help="Poisson arrival rate in requests/s instead of fixed concurrency"),
-    mode: str = typer.Option("both", help="inflight | static | both (same request set, one after the other)"),
-    baseline: Optional[str] = typer.Option(None, help="hf: also run transformers' generate on the source model "
-                                           "in static batches of --concurrency, on the same device"),
+    concurrency: int = typer.Option(
+        16, help="requests in flight (in-flight mode) / batch size (static mode)"
+    ),
+    rate: float | None = typer.Option(
+        None, help="Poisson arrival rate in requests/s instead of fixed concurrency"
+    ),
+    mode: str = typer.Option(
+        "both", help="inflight | static | both (same request set, one after the other)"
+    ),
+    baseline: str | None = typer.Option(
+        None,
+        help="hf: also run transformers' generate on the source model "
+        "in static batches of --concurrency, on the same device",
+    ),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the results as JSON here"),
-    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="keep prefix caching on (off by default: "
-                                        "the second mode would reuse the first mode's blocks)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TRTC_API_KEY"),
+    json_out: Path | None = typer.Option(
+        None, "--json", help="also write the results as JSON here"
+    ),
+    prefix_caching: bool = typer.Option(
+        False,
+        "--prefix-caching",
+        help="keep prefix caching on (off by default: "
+        "the second mode would reuse the first mode's blocks)",
+    ),
+    api_key: str | None = typer.Option(
+        None, "--api-key", help="API key of the server at --url (default: $TRTC_API_KEY)"
+    ),
     no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
 ):
     """Replay a request set and report TTFT, TPOT, inter-token and end-to-end latency
@@ -234,82 +325,90 @@ def bench(
 
     from rich.table import Table
 
-    from trtc.compiler.errors import TrtcError
+    from trtc import envs
+    from trtc.errors import TrtcError
     from trtc.runtime import bench as B
+
     if (artifact is None) == (url is None):
-        raise typer.BadParameter("give either an ARTIFACT directory or --url", param_hint="ARTIFACT/--url")
+        raise typer.BadParameter(
+            "give either an ARTIFACT directory or --url", param_hint="ARTIFACT/--url"
+        )
     if baseline not in (None, "hf"):
         raise typer.BadParameter(f"{baseline!r}: the only baseline is hf", param_hint="--baseline")
     if mode not in ("inflight", "static", "both"):
         raise typer.BadParameter(f"{mode!r}: choose inflight, static or both", param_hint="--mode")
     plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
-    results = []
+    spec = {"n": num_requests, "prompt_len": plen, "output_len": olen, "seed": seed}
     try:
         if url:
-            import httpx
-            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-            model = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]
-            requests = B.make_requests(num_requests, plen, olen, model.get("vocab_size", 32000), seed)
-            results.append(B.run_server(url, requests, concurrency, rate, seed, api_key))
+            results = B.bench_url(url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY)
         else:
-            from trtc.runtime.engine import LLMEngine
-            engine = LLMEngine(artifact, _engine_config(executor.value, None, kv_cache_memory, max(concurrency, 1),
-                                                        None, not prefix_caching, no_async_scheduling))
-            special = set(engine.tokenizer.all_special_ids)
-            vocab = engine.manifest["model"]["vocab_size"]
-            requests = B.make_requests(num_requests, plen, olen, vocab, seed, special)
-            # Warm up first: the first steps of a fresh process pay one-off allocation costs.
-            B.run_engine(engine, B.make_requests(min(4, concurrency), plen, (2, 4), vocab, seed + 1, special),
-                         "inflight", concurrency)
-            for m in (["inflight", "static"] if mode == "both" else [mode]):
-                err.print(f"running {m} batching: {num_requests} requests, concurrency {concurrency} ...")
-                results.append(B.run_engine(engine, requests, m, concurrency, rate if m == "inflight" else None, seed))
+            hf_loader = None
             if baseline == "hf":
-                import gc
-
-                import torch
-
-                from trtc.compiler.contract import TORCH_DTYPES
-                from trtc.compiler.source import load_source_model
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-                manifest = engine.manifest
-                del engine                     # give its KV pool back before the baseline loads
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                hf = load_source_model(manifest["source"], TORCH_DTYPES[manifest["precision"]]).to(device)
-                err.print(f"running transformers generate, static batches of {concurrency} ({device}) ...")
-                results.append(B.run_hf_static(hf, requests, concurrency, device))
+                from trtc.compiler.source import load_source_model as hf_loader
+            config = _engine_config(
+                executor.value,
+                None,
+                kv_cache_memory,
+                max(concurrency, 1),
+                None,
+                not prefix_caching,
+                no_async_scheduling,
+            )
+            modes = list(B.MODES) if mode == "both" else [mode]
+            results = B.bench_artifact(
+                artifact, config, spec, concurrency, rate, modes, hf_loader, log=err.print
+            )
     except (TrtcError, ValueError) as e:
         _fail(e)
 
-    table = Table(title=f"trtc bench: {num_requests} requests, prompts {prompt_len}, outputs {output_len}, seed {seed}")
+    table = Table(
+        title=f"trtc bench: {num_requests} requests, prompts {prompt_len}, "
+        f"outputs {output_len}, seed {seed}"
+    )
     table.add_column("metric")
     for r in results:
         table.add_column(r["mode"], justify="right")
 
     def ms(v):
         return "-" if v is None else f"{v * 1000:.1f}"
+
     table.add_row("requests/s", *[f"{r['requests_per_s']:.2f}" for r in results])
     table.add_row("output tokens/s", *[f"{r['output_tokens_per_s']:.1f}" for r in results])
-    for key, label in (("ttft_s", "TTFT ms"), ("tpot_s", "TPOT ms"), ("itl_s", "ITL ms"), ("e2e_s", "E2E ms")):
+    for key, label in (
+        ("ttft_s", "TTFT ms"),
+        ("tpot_s", "TPOT ms"),
+        ("itl_s", "ITL ms"),
+        ("e2e_s", "E2E ms"),
+    ):
         for p in ("p50", "p90", "p99"):
             table.add_row(f"{label} {p}", *[ms(r[key][p]) for r in results])
     table.add_row("duration s", *[f"{r['duration_s']:.1f}" for r in results])
-    table.add_row("peak KV MB", *[f"{r['peak_kv_mb']:.1f}" if r.get("peak_kv_mb") is not None else "-" for r in results])
-    table.add_row("peak RSS MB", *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results])
+    table.add_row(
+        "peak KV MB",
+        *[f"{r['peak_kv_mb']:.1f}" if r.get("peak_kv_mb") is not None else "-" for r in results],
+    )
+    table.add_row(
+        "peak RSS MB",
+        *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results],
+    )
     Console().print(table)
-    first = results[0]
-    for other in results[1:]:
-        Console().print(f"{first['mode']} / {other['mode']}: "
-                        f"{first['output_tokens_per_s'] / other['output_tokens_per_s']:.2f}x output tokens/s, "
-                        f"{first['e2e_s']['mean'] / other['e2e_s']['mean']:.2f}x mean E2E latency, "
-                        f"{first['ttft_s']['p50'] / other['ttft_s']['p50']:.2f}x TTFT p50")
+    for line in B.comparisons(results):
+        Console().print(line)
     if json_out:
-        json_out.write_text(json.dumps({"requests": num_requests, "prompt_len": prompt_len,
-                                        "output_len": output_len, "seed": seed, "concurrency": concurrency,
-                                        "results": results}, indent=2))
+        json_out.write_text(
+            json.dumps(
+                {
+                    "requests": num_requests,
+                    "prompt_len": prompt_len,
+                    "output_len": output_len,
+                    "seed": seed,
+                    "concurrency": concurrency,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
 
 
 def main() -> None:

@@ -67,6 +67,7 @@ checks its size); which kernel runs is chosen on the GPU, which this machine can
   only (for sm86 the builder fails: "the model contains HW-specific datatypes: fp8_e4m3"); the
   config check refuses FP8 on Ampere before any work.
 """
+
 from __future__ import annotations
 
 import copy
@@ -80,33 +81,50 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
-from trtc.compiler import contract as paged
-from trtc.compiler.backends import slot_contract as slot
-from trtc.compiler.errors import BuildError
+from trtc import contract as paged
+from trtc import slot_contract as slot
+from trtc.artifact import Manifest
+from trtc.errors import BuildError
 from trtc.plugins import PAGED_ATTENTION
 from trtc.plugins.spec import DOMAIN
 
-KV_CACHE_UPDATE = "TRT_KVCacheUpdate"     # TensorRT's ONNX op, default domain
+KV_CACHE_UPDATE = "TRT_KVCacheUpdate"  # TensorRT's ONNX op, default domain
 QUANTIZED_GEMMS = ("Int4Gemm", "Fp8Gemm")
-INT4_ZERO = 8                             # uint4 q (0..15) = int4 (q - 8) + 8
+INT4_ZERO = 8  # uint4 q (0..15) = int4 (q - 8) + 8
 FP8 = onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.FLOAT8E4M3FN)
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)}
+NUMPY_DTYPES = {
+    "fp32": np.float32,
+    "fp16": np.float16,
+    "bf16": onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16),
+}
 
 
 def check_lowerable(model: onnx.ModelProto) -> None:
     """Custom-domain nodes the RTX lowering cannot rewrite are a build error, named."""
     local_functions = {(f.domain, f.name) for f in model.functions}
     lowered_here = {PAGED_ATTENTION.op_type, *QUANTIZED_GEMMS}
-    unknown = sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node
-                      if n.domain not in ("", "ai.onnx") and (n.domain, n.op_type) not in local_functions
-                      and not (n.domain == DOMAIN and n.op_type in lowered_here)})
+    unknown = sorted(
+        {
+            f"{n.domain}::{n.op_type}"
+            for n in model.graph.node
+            if n.domain not in ("", "ai.onnx")
+            and (n.domain, n.op_type) not in local_functions
+            and not (n.domain == DOMAIN and n.op_type in lowered_here)
+        }
+    )
     if unknown:
-        raise BuildError(f"backend tensorrt-rtx: no native lowering for {', '.join(unknown)} "
-                         f"(TensorRT-RTX takes no custom plugins; it lowers "
-                         f"{', '.join(f'{DOMAIN}::{op}' for op in sorted(lowered_here))})")
-    if not any(n.domain == DOMAIN and n.op_type == PAGED_ATTENTION.op_type for n in model.graph.node):
-        raise BuildError("backend tensorrt-rtx: the graph has no trtc::PagedAttention node to lower "
-                         "(is it a trtc model.onnx?)")
+        raise BuildError(
+            f"backend tensorrt-rtx: no native lowering for {', '.join(unknown)} "
+            f"(TensorRT-RTX takes no custom plugins; it lowers "
+            f"{', '.join(f'{DOMAIN}::{op}' for op in sorted(lowered_here))})"
+        )
+    if not any(
+        n.domain == DOMAIN and n.op_type == PAGED_ATTENTION.op_type for n in model.graph.node
+    ):
+        raise BuildError(
+            "backend tensorrt-rtx: the graph has no trtc::PagedAttention node to lower "
+            "(is it a trtc model.onnx?)"
+        )
 
 
 class _Builder:
@@ -114,97 +132,194 @@ class _Builder:
 
     def __init__(self, graph: gs.Graph):
         self.graph = graph
-        self.shared: dict[str, gs.Constant] = {}   # constants several nodes read, made once
+        self.shared: dict[str, gs.Constant] = {}  # constants several nodes read, made once
 
     def const(self, name: str, value) -> gs.Constant:
         return gs.Constant(name, np.asarray(value))
 
-    def op(self, op: str, name: str, inputs: list, dtype=None, outputs: list | None = None, **attrs) -> gs.Variable:
+    def op(
+        self, op: str, name: str, inputs: list, dtype=None, outputs: list | None = None, **attrs
+    ) -> gs.Variable:
         outputs = outputs or [gs.Variable(f"{name}.out", dtype=dtype)]
         self.graph.nodes.append(gs.Node(op, name=name, inputs=inputs, outputs=outputs, attrs=attrs))
         return outputs[0]
 
 
-def _step_tensors(b: _Builder, input_ids: gs.Variable, cache_positions: gs.Variable,
-                  max_seq_len: int, rope_rows: int, windows: set[int]):
+def _step_tensors(
+    b: _Builder,
+    input_ids: gs.Variable,
+    cache_positions: gs.Variable,
+    max_seq_len: int,
+    rope_rows: int,
+    windows: set[int],
+):
     """Token shape, flat positions and one attention mask per sliding window (0 = none)."""
-    ids_shape = b.op("Shape", "step.ids_shape", [input_ids], np.int64)                       # [B, S]
-    new_tokens = b.op("Gather", "step.new_tokens", [ids_shape, b.const("step.one", np.int64(1))], np.int64, axis=0)
-    offsets = b.op("Range", "step.offsets", [b.const("step.zero", np.int64(0)), new_tokens,
-                                             b.const("step.step", np.int64(1))], np.int64)    # [S]
+    ids_shape = b.op("Shape", "step.ids_shape", [input_ids], np.int64)  # [B, S]
+    new_tokens = b.op(
+        "Gather", "step.new_tokens", [ids_shape, b.const("step.one", np.int64(1))], np.int64, axis=0
+    )
+    offsets = b.op(
+        "Range",
+        "step.offsets",
+        [b.const("step.zero", np.int64(0)), new_tokens, b.const("step.step", np.int64(1))],
+        np.int64,
+    )  # [S]
     cached = b.op("Cast", "step.cached", [cache_positions], np.int64, to=onnx.TensorProto.INT64)
-    query_pos = b.op("Add", "step.query_positions", [
-        b.op("Unsqueeze", "step.cached_col", [cached, b.const("step.axis1", np.array([1], np.int64))], np.int64),
-        b.op("Unsqueeze", "step.offsets_row", [offsets, b.const("step.axis0", np.array([0], np.int64))], np.int64),
-    ], np.int64)                                                                              # [B, S]
+    query_pos = b.op(
+        "Add",
+        "step.query_positions",
+        [
+            b.op(
+                "Unsqueeze",
+                "step.cached_col",
+                [cached, b.const("step.axis1", np.array([1], np.int64))],
+                np.int64,
+            ),
+            b.op(
+                "Unsqueeze",
+                "step.offsets_row",
+                [offsets, b.const("step.axis0", np.array([0], np.int64))],
+                np.int64,
+            ),
+        ],
+        np.int64,
+    )  # [B, S]
     # Padding tokens may run past the rope table; their results are never read.
-    rope_pos = b.op("Min", "step.rope_positions", [query_pos, b.const("step.rope_last", np.array(rope_rows - 1, np.int64))], np.int64)
-    flat_positions = b.op("Reshape", "step.positions", [rope_pos, b.const("step.flat", np.array([-1], np.int64))], np.int64)
+    rope_pos = b.op(
+        "Min",
+        "step.rope_positions",
+        [query_pos, b.const("step.rope_last", np.array(rope_rows - 1, np.int64))],
+        np.int64,
+    )
+    flat_positions = b.op(
+        "Reshape",
+        "step.positions",
+        [rope_pos, b.const("step.flat", np.array([-1], np.int64))],
+        np.int64,
+    )
 
-    last = b.op("Min", "step.mask_query", [query_pos, b.const("step.cache_last", np.array(max_seq_len - 1, np.int64))], np.int64)
-    last = b.op("Unsqueeze", "step.mask_query_col", [last, b.const("step.axis2", np.array([2], np.int64))], np.int64)   # [B, S, 1]
-    keys = b.const("step.key_positions", np.arange(max_seq_len, dtype=np.int64))                                      # [Smax]
-    causal = b.op("LessOrEqual", "step.causal", [keys, last], np.bool_)                                               # [B, S, Smax]
+    last = b.op(
+        "Min",
+        "step.mask_query",
+        [query_pos, b.const("step.cache_last", np.array(max_seq_len - 1, np.int64))],
+        np.int64,
+    )
+    last = b.op(
+        "Unsqueeze",
+        "step.mask_query_col",
+        [last, b.const("step.axis2", np.array([2], np.int64))],
+        np.int64,
+    )  # [B, S, 1]
+    keys = b.const("step.key_positions", np.arange(max_seq_len, dtype=np.int64))  # [Smax]
+    causal = b.op("LessOrEqual", "step.causal", [keys, last], np.bool_)  # [B, S, Smax]
     masks = {}
     for window in sorted(windows):
         visible = causal
         if window > 0:
-            first = b.op("Sub", f"step.window{window}.first", [last, b.const(f"step.window{window}", np.array(window, np.int64))], np.int64)
+            first = b.op(
+                "Sub",
+                f"step.window{window}.first",
+                [last, b.const(f"step.window{window}", np.array(window, np.int64))],
+                np.int64,
+            )
             inside = b.op("Greater", f"step.window{window}.inside", [keys, first], np.bool_)
             visible = b.op("And", f"step.window{window}.visible", [causal, inside], np.bool_)
         tag = f"window{window}" if window else "causal"
-        masks[window] = b.op("Unsqueeze", f"step.mask.{tag}", [visible, b.const(f"step.mask.{tag}.axis1", np.array([1], np.int64))], np.bool_)
+        masks[window] = b.op(
+            "Unsqueeze",
+            f"step.mask.{tag}",
+            [visible, b.const(f"step.mask.{tag}.axis1", np.array([1], np.int64))],
+            np.bool_,
+        )
     return ids_shape, flat_positions, masks
 
 
-def _lower_attention(b: _Builder, node: gs.Node, layer: int, ids_shape: gs.Variable,
-                     cache_positions: gs.Variable, masks: dict, caches: dict, dtype, kv_dtype) -> None:
+def _lower_attention(
+    b: _Builder,
+    node: gs.Node,
+    layer: int,
+    ids_shape: gs.Variable,
+    cache_positions: gs.Variable,
+    masks: dict,
+    caches: dict,
+    dtype,
+    kv_dtype,
+) -> None:
     a = node.attrs
     heads, kv_heads, head_dim = int(a["num_heads"]), int(a["num_kv_heads"]), int(a["head_dim"])
     query, key, value = node.inputs[:3]
     attn_out = node.outputs[0]
     p = f"model.layers.{layer}.self_attn"
 
-    def to_bhsd(x, n, what):   # [B*S, n*D] -> [B, n, S, D]
-        shape = b.op("Concat", f"{p}.{what}_shape", [ids_shape, b.const(f"{p}.{what}_heads", np.array([n, head_dim], np.int64))], np.int64, axis=0)
+    def to_bhsd(x, n, what):  # [B*S, n*D] -> [B, n, S, D]
+        shape = b.op(
+            "Concat",
+            f"{p}.{what}_shape",
+            [ids_shape, b.const(f"{p}.{what}_heads", np.array([n, head_dim], np.int64))],
+            np.int64,
+            axis=0,
+        )
         x = b.op("Reshape", f"{p}.{what}_bshd", [x, shape], dtype)
         return b.op("Transpose", f"{p}.{what}_bhsd", [x], dtype, perm=[0, 2, 1, 3])
 
     q, k, v = to_bhsd(query, heads, "q"), to_bhsd(key, kv_heads, "k"), to_bhsd(value, kv_heads, "v")
     if kv_dtype != dtype:
         to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(kv_dtype))
-        k, v = (b.op("Cast", f"{p}.{w}_kv_dtype", [x], kv_dtype, to=to) for w, x in (("k", k), ("v", v)))
+        k, v = (
+            b.op("Cast", f"{p}.{w}_kv_dtype", [x], kv_dtype, to=to) for w, x in (("k", k), ("v", v))
+        )
     k_in, v_in, k_out, v_out = caches[layer]
     b.op(KV_CACHE_UPDATE, f"{p}.k_cache_update", [k_in, k, cache_positions], outputs=[k_out])
     b.op(KV_CACHE_UPDATE, f"{p}.v_cache_update", [v_in, v, cache_positions], outputs=[v_out])
     keys, values = k_out, v_out
     if kv_dtype != dtype:
         to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        keys, values = (b.op("Cast", f"{p}.{w}_model_dtype", [x], dtype, to=to) for w, x in (("keys", keys), ("values", values)))
-    y = b.op("Attention", f"{p}.attention", [q, keys, values, masks[int(a.get("sliding_window", 0))]], dtype,
-             scale=float(a["scale"]), is_causal=0, TRT_decomposable=1)
+        keys, values = (
+            b.op("Cast", f"{p}.{w}_model_dtype", [x], dtype, to=to)
+            for w, x in (("keys", keys), ("values", values))
+        )
+    y = b.op(
+        "Attention",
+        f"{p}.attention",
+        [q, keys, values, masks[int(a.get("sliding_window", 0))]],
+        dtype,
+        scale=float(a["scale"]),
+        is_causal=0,
+        TRT_decomposable=1,
+    )
     y = b.op("Transpose", f"{p}.attn_bshd", [y], dtype, perm=[0, 2, 1, 3])
     attn_out.inputs.clear()
-    b.op("Reshape", f"{p}.attn_flat", [y, b.const(f"{p}.attn_width", np.array([-1, heads * head_dim], np.int64))],
-         outputs=[attn_out])
+    b.op(
+        "Reshape",
+        f"{p}.attn_flat",
+        [y, b.const(f"{p}.attn_width", np.array([-1, heads * head_dim], np.int64))],
+        outputs=[attn_out],
+    )
 
 
 # --- quantized GEMMs ----------------------------------------------------------------------------
 
+
 def _weights(node: gs.Node, names: tuple[str, ...]) -> list[gs.Constant]:
     """A quantized GEMM's weight inputs, which must be graph constants (not loaded here)."""
-    inputs = node.inputs[1:1 + len(names)]
+    inputs = node.inputs[1 : 1 + len(names)]
     loose = [n for n, t in zip(names, inputs) if not isinstance(t, gs.Constant)]
     if len(inputs) < len(names) or loose:
-        raise BuildError(f"backend tensorrt-rtx: {node.op} node {node.name}: {', '.join(loose or names)} "
-                         f"must be constant weights to lower to DequantizeLinear")
+        raise BuildError(
+            f"backend tensorrt-rtx: {node.op} node {node.name}: {', '.join(loose or names)} "
+            f"must be constant weights to lower to DequantizeLinear"
+        )
     return list(inputs)
 
 
 def _array(t: gs.Constant) -> np.ndarray:
     """A constant's values in its own dtype (graphsurgeon would upcast bf16, with a warning)."""
     lazy = t._values
-    return onnx.numpy_helper.to_array(lazy.tensor) if isinstance(lazy, gs.ir.tensor.LazyValues) else np.asarray(lazy)
+    return (
+        onnx.numpy_helper.to_array(lazy.tensor)
+        if isinstance(lazy, gs.ir.tensor.LazyValues)
+        else np.asarray(lazy)
+    )
 
 
 def _type_name(t: gs.Constant) -> str:
@@ -224,8 +339,9 @@ def _int4_constant(name: str, qweight: np.ndarray) -> gs.Constant:
     ``q - 8``: flipping bit 3 of each nibble is ``(q - 8) mod 16``, the two's complement nibble,
     so the bytes keep their layout. TensorRT-RTX imports INT4 initializers but not UINT4."""
     n, half_k = qweight.shape
-    proto = onnx.helper.make_tensor(name, onnx.TensorProto.INT4, [n, 2 * half_k],
-                                    (qweight ^ 0x88).tobytes(), raw=True)
+    proto = onnx.helper.make_tensor(
+        name, onnx.TensorProto.INT4, [n, 2 * half_k], (qweight ^ 0x88).tobytes(), raw=True
+    )
     return gs.Constant(name, gs.ir.tensor.LazyValues(proto))
 
 
@@ -249,25 +365,45 @@ def _lower_int4_gemm(b: _Builder, node: gs.Node, dtype) -> None:
     g, k, n = (int(node.attrs[a]) for a in ("group_size", "in_features", "out_features"))
     qweight, scales, zeros = (_array(t) for t in _weights(node, ("qweight", "scales", "zeros")))
     groups = -(-k // g)
-    if (qweight.dtype, qweight.shape, scales.shape, zeros.dtype, zeros.shape) != \
-            (np.uint8, (n, k // 2), (n, groups), np.uint8, (n, groups)):
-        raise BuildError(f"backend tensorrt-rtx: Int4Gemm node {node.name} (K={k}, N={n}, group {g}): "
-                         f"qweight {qweight.dtype}{list(qweight.shape)}, scales {list(scales.shape)}, zeros "
-                         f"{zeros.dtype}{list(zeros.shape)}; expected uint8[{n}, {k // 2}], [{n}, {groups}], "
-                         f"uint8[{n}, {groups}]")
+    if (qweight.dtype, qweight.shape, scales.shape, zeros.dtype, zeros.shape) != (
+        np.uint8,
+        (n, k // 2),
+        (n, groups),
+        np.uint8,
+        (n, groups),
+    ):
+        raise BuildError(
+            f"backend tensorrt-rtx: Int4Gemm node {node.name} (K={k}, N={n}, group {g}): "
+            f"qweight {qweight.dtype}{list(qweight.shape)}, scales {list(scales.shape)}, zeros "
+            f"{zeros.dtype}{list(zeros.shape)}; expected uint8[{n}, {k // 2}], [{n}, {groups}], "
+            f"uint8[{n}, {groups}]"
+        )
     p, x = node.name, node.inputs[0]
     # TensorRT-RTX wants whole blocks: blocks of gcd(g, K) columns tile every row and each lies
     # inside one group, so repeating each group's scale g / block times is exact.
     block = math.gcd(g, k)
-    block_scales = np.repeat(scales.astype(np.float32), g // block, axis=1)[:, :k // block]
-    weight = b.op("DequantizeLinear", f"{p}.dequantize", [
-        _int4_constant(f"{p}.int4_weight", qweight), b.const(f"{p}.block_scales", block_scales.astype(dtype))],
-        dtype, axis=1, block_size=block)                                                       # [N, K]
-    weight_t = b.op("Transpose", f"{p}.weight_t", [weight], dtype, perm=[1, 0])                # [K, N]
+    block_scales = np.repeat(scales.astype(np.float32), g // block, axis=1)[:, : k // block]
+    weight = b.op(
+        "DequantizeLinear",
+        f"{p}.dequantize",
+        [
+            _int4_constant(f"{p}.int4_weight", qweight),
+            b.const(f"{p}.block_scales", block_scales.astype(dtype)),
+        ],
+        dtype,
+        axis=1,
+        block_size=block,
+    )  # [N, K]
+    weight_t = b.op("Transpose", f"{p}.weight_t", [weight], dtype, perm=[1, 0])  # [K, N]
     y = b.op("MatMul", f"{p}.matmul", [x, weight_t], dtype)
-    shift = ((INT4_ZERO - zeros.astype(np.float32)) * scales.astype(np.float32)).T            # [G, N]
+    shift = ((INT4_ZERO - zeros.astype(np.float32)) * scales.astype(np.float32)).T  # [G, N]
     group_sums = b.op("MatMul", f"{p}.group_sums", [x, _group_sum_matrix(b, k, g, dtype)], dtype)
-    correction = b.op("MatMul", f"{p}.zero_correction", [group_sums, b.const(f"{p}.zero_shift", shift.astype(dtype))], dtype)
+    correction = b.op(
+        "MatMul",
+        f"{p}.zero_correction",
+        [group_sums, b.const(f"{p}.zero_shift", shift.astype(dtype))],
+        dtype,
+    )
     y = b.op("Add", f"{p}.zero_corrected", [y, correction], dtype)
     _replace(node, _bias(b, node, y, dtype))
 
@@ -275,26 +411,45 @@ def _lower_int4_gemm(b: _Builder, node: gs.Node, dtype) -> None:
 def _lower_fp8_gemm(b: _Builder, node: gs.Node, dtype) -> None:
     """``trtc::Fp8Gemm`` (plugins/fp8_gemm/reference.py) as Q/DQ + MatMul::
 
-        x_q = DQ(Q(x, input_scale) -> E4M3, saturating)      # fp32 scale, so x / input_scale in fp32
-        y   = x_q @ DQ(weight, weight_scale, axis 0).T  (+ bias)
+    x_q = DQ(Q(x, input_scale) -> E4M3, saturating)      # fp32 scale, so x / input_scale in fp32
+    y   = x_q @ DQ(weight, weight_scale, axis 0).T  (+ bias)
     """
     k, n = int(node.attrs["in_features"]), int(node.attrs["out_features"])
     weight, weight_scale, input_scale = _weights(node, ("weight", "weight_scale", "input_scale"))
     got = [(_type_name(t), tuple(t.shape)) for t in (weight, weight_scale, input_scale)]
     want = [("FLOAT8E4M3FN", (n, k)), ("FLOAT", (n,)), ("FLOAT", ())]
     if got != want:
-        raise BuildError(f"backend tensorrt-rtx: Fp8Gemm node {node.name} (K={k}, N={n}): weight, "
-                         f"weight_scale, input_scale are {got}; expected {want}")
+        raise BuildError(
+            f"backend tensorrt-rtx: Fp8Gemm node {node.name} (K={k}, N={n}): weight, "
+            f"weight_scale, input_scale are {got}; expected {want}"
+        )
     p, x = node.name, node.inputs[0]
     model_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     if "fp8.zero_point" not in b.shared:
         b.shared["fp8.zero_point"] = b.const("fp8.zero_point", np.zeros((), FP8))
-    x_fp8 = b.op("QuantizeLinear", f"{p}.quantize_input", [x, input_scale, b.shared["fp8.zero_point"]], FP8,
-                 saturate=1)
-    x_q = b.op("DequantizeLinear", f"{p}.dequantize_input", [x_fp8, input_scale], dtype, output_dtype=model_type)
-    w = b.op("DequantizeLinear", f"{p}.dequantize", [weight, weight_scale], dtype, axis=0,
-             output_dtype=model_type)                                                          # [N, K]
-    w_t = b.op("Transpose", f"{p}.weight_t", [w], dtype, perm=[1, 0])                         # [K, N]
+    x_fp8 = b.op(
+        "QuantizeLinear",
+        f"{p}.quantize_input",
+        [x, input_scale, b.shared["fp8.zero_point"]],
+        FP8,
+        saturate=1,
+    )
+    x_q = b.op(
+        "DequantizeLinear",
+        f"{p}.dequantize_input",
+        [x_fp8, input_scale],
+        dtype,
+        output_dtype=model_type,
+    )
+    w = b.op(
+        "DequantizeLinear",
+        f"{p}.dequantize",
+        [weight, weight_scale],
+        dtype,
+        axis=0,
+        output_dtype=model_type,
+    )  # [N, K]
+    w_t = b.op("Transpose", f"{p}.weight_t", [w], dtype, perm=[1, 0])  # [K, N]
     y = b.op("MatMul", f"{p}.matmul", [x_q, w_t], dtype)
     _replace(node, _bias(b, node, y, dtype))
 
@@ -321,19 +476,21 @@ def lower_quantized_gemms(graph: gs.Graph, dtype, builder: _Builder | None = Non
     return done
 
 
-def lower_for_rtx(model: onnx.ModelProto, manifest: dict, max_seq_len: int) -> onnx.ModelProto:
+def lower_for_rtx(model: onnx.ModelProto, manifest: Manifest, max_seq_len: int) -> onnx.ModelProto:
     """The paged ``model.onnx`` of an artifact, rewritten to the slot contract (a new model)."""
     check_lowerable(model)
-    table_rows = manifest["limits"]["max_seq_len"]
+    table_rows = manifest.limits.max_seq_len
     if not 1 <= max_seq_len <= table_rows:
-        raise BuildError(f"backend tensorrt-rtx: max_seq_len {max_seq_len} must be from 1 to the "
-                         f"artifact's limits.max_seq_len {table_rows} (the rotary tables' length)")
+        raise BuildError(
+            f"backend tensorrt-rtx: max_seq_len {max_seq_len} must be from 1 to the "
+            f"artifact's limits.max_seq_len {table_rows} (the rotary tables' length)"
+        )
     c = slot.SlotContract.from_manifest(manifest, max_seq_len)
     graph = gs.import_onnx(onnx.inliner.inline_local_functions(model))
-    for n in graph.nodes:   # inlined function bodies come unnamed
+    for n in graph.nodes:  # inlined function bodies come unnamed
         n.name = n.name or f"{n.outputs[0].name}.{n.op.lower()}"
     tensors = graph.tensors()
-    dtype = NUMPY_DTYPES[manifest["precision"]]
+    dtype = NUMPY_DTYPES[manifest.precision]
     kv_dtype = NUMPY_DTYPES[c.kv_dtype]
 
     nodes = [n for n in graph.nodes if n.domain == DOMAIN and n.op == PAGED_ATTENTION.op_type]
@@ -342,40 +499,57 @@ def lower_for_rtx(model: onnx.ModelProto, manifest: dict, max_seq_len: int) -> o
         name = n.inputs[3].name
         layer = next((i for i in range(c.num_layers) if name == paged.kv_input_name(i)), None)
         if layer is None:
-            raise BuildError(f"backend tensorrt-rtx: PagedAttention node {n.name} reads {name}, "
-                             f"not a layer's KV cache")
+            raise BuildError(
+                f"backend tensorrt-rtx: PagedAttention node {n.name} reads {name}, "
+                f"not a layer's KV cache"
+            )
         layer_of[id(n)] = layer
     if sorted(layer_of.values()) != list(range(c.num_layers)):
-        raise BuildError(f"backend tensorrt-rtx: expected one PagedAttention node per layer "
-                         f"({c.num_layers}), found layers {sorted(layer_of.values())}")
+        raise BuildError(
+            f"backend tensorrt-rtx: expected one PagedAttention node per layer "
+            f"({c.num_layers}), found layers {sorted(layer_of.values())}"
+        )
 
     # New graph inputs; the old token-axis tensors become internal, produced from them.
     spec = {t.name: t for t in c.inputs()}
+
     def new_input(name, np_dtype):
         return gs.Variable(name, dtype=np_dtype, shape=list(spec[name].shape))
+
     input_ids = new_input("input_ids", np.int64)
     cache_positions = new_input("cache_positions", np.int32)
     logits_indices = tensors["logits_indices"]
     logits_indices.shape = list(spec["logits_indices"].shape)
     caches = {}
     for i in range(c.num_layers):
-        caches[i] = (new_input(slot.k_cache_name(i), kv_dtype), new_input(slot.v_cache_name(i), kv_dtype),
-                     gs.Variable(slot.k_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
-                     gs.Variable(slot.v_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)))
+        caches[i] = (
+            new_input(slot.k_cache_name(i), kv_dtype),
+            new_input(slot.v_cache_name(i), kv_dtype),
+            gs.Variable(slot.k_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
+            gs.Variable(slot.v_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
+        )
 
     b = _Builder(graph)
     windows = {int(n.attrs.get("sliding_window", 0)) for n in nodes}
-    ids_shape, flat_positions, masks = _step_tensors(b, input_ids, cache_positions, max_seq_len, table_rows, windows)
+    ids_shape, flat_positions, masks = _step_tensors(
+        b, input_ids, cache_positions, max_seq_len, table_rows, windows
+    )
     flat_ids = tensors["input_ids"]
     flat_ids.name = "input_ids.flat"
-    b.op("Reshape", "step.input_ids_flat", [input_ids, b.const("step.ids_flat", np.array([-1], np.int64))],
-         outputs=[flat_ids])
+    b.op(
+        "Reshape",
+        "step.input_ids_flat",
+        [input_ids, b.const("step.ids_flat", np.array([-1], np.int64))],
+        outputs=[flat_ids],
+    )
     old_positions = tensors["positions"]
     for consumer in list(old_positions.outputs):
         consumer.inputs = [flat_positions if t is old_positions else t for t in consumer.inputs]
 
     for n in nodes:
-        _lower_attention(b, n, layer_of[id(n)], ids_shape, cache_positions, masks, caches, dtype, kv_dtype)
+        _lower_attention(
+            b, n, layer_of[id(n)], ids_shape, cache_positions, masks, caches, dtype, kv_dtype
+        )
         n.outputs.clear()
         n.inputs.clear()
     lower_quantized_gemms(graph, dtype, b)
@@ -397,8 +571,10 @@ def lower_for_rtx(model: onnx.ModelProto, manifest: dict, max_seq_len: int) -> o
     lowered.metadata_props.add(key="trtc.max_seq_len", value=str(max_seq_len))
     names = [t.name for t in c.inputs()], [t.name for t in c.outputs()]
     got = [i.name for i in lowered.graph.input], [o.name for o in lowered.graph.output]
-    if got != names:   # the contract is the one source; the graph must say the same
-        raise BuildError(f"backend tensorrt-rtx: lowered graph I/O {got} differs from the slot contract {names}")
+    if got != names:  # the contract is the one source; the graph must say the same
+        raise BuildError(
+            f"backend tensorrt-rtx: lowered graph I/O {got} differs from the slot contract {names}"
+        )
     return lowered
 
 

@@ -5,19 +5,21 @@ strongly typed (the graph's dtypes are the engine's: there are no precision flag
 once per target with that target's compute capability. Deserialising an engine needs a GPU, so
 everything recorded about an engine (its I/O names, dtypes and shapes) is read back from the
 built network, not from the engine."""
+
 from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import onnx
 
-from trtc.compiler.artifact import sha256_file
-from trtc.compiler.backends import slot_contract as slot
-from trtc.compiler.errors import BuildError, ConfigError
+from trtc import slot_contract as slot
+from trtc.artifact import Limits, sha256_file
 from trtc.compiler.targets import architecture_profiles
+from trtc.errors import BuildError, ConfigError
+from trtc.plugins.tensorrt.logger import make_logger
 
 BACKEND = "tensorrt-rtx"
 ENGINE_DIR = "engines"
@@ -28,8 +30,10 @@ def import_trt():
     try:
         import tensorrt_rtx as trt
     except ImportError as e:
-        raise BuildError(f"backend {BACKEND}: the tensorrt_rtx package is not importable ({e}); "
-                         f"install it with: {INSTALL_HINT}") from None
+        raise BuildError(
+            f"backend {BACKEND}: the tensorrt_rtx package is not importable ({e}); "
+            f"install it with: {INSTALL_HINT}"
+        ) from None
     return trt
 
 
@@ -52,44 +56,40 @@ def check_targets(targets: list[str], trt=None) -> None:
     profiles = architecture_profiles()
     unknown = [t for t in targets if t not in profiles]
     if unknown:
-        raise ConfigError(f"backend.targets: {', '.join(unknown)} not a known architecture "
-                          f"(allowed: {', '.join(profiles)})")
+        raise ConfigError(
+            f"backend.targets: {', '.join(unknown)} not a known architecture "
+            f"(allowed: {', '.join(profiles)})"
+        )
     supported = supported_targets(trt)
     refused = [t for t in targets if t not in supported]
     if refused:
-        what = ", ".join(f"{t} ({profiles[t]['example']}, compute capability "
-                         f"{profiles[t]['compute_capability']})" for t in refused)
-        raise ConfigError(f"backend.targets: TensorRT-RTX {trt.__version__} cannot build for {what}; "
-                          f"it supports {', '.join(supported)} (use backend tensorrt for the others)")
+        what = ", ".join(
+            f"{t} ({profiles[t]['example']}, compute capability "
+            f"{profiles[t]['compute_capability']})"
+            for t in refused
+        )
+        raise ConfigError(
+            f"backend.targets: TensorRT-RTX {trt.__version__} cannot build for {what}; "
+            f"it supports {', '.join(supported)} (use backend tensorrt for the others)"
+        )
     if not targets:
-        raise ConfigError(f"backend.targets: backend {BACKEND} needs at least one target "
-                          f"(supported: {', '.join(supported)})")
+        raise ConfigError(
+            f"backend.targets: backend {BACKEND} needs at least one target "
+            f"(supported: {', '.join(supported)})"
+        )
 
 
 def _dtype_name(trt, dtype) -> str:
-    names = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16", trt.int64: "int64",
-             trt.int32: "int32", trt.int8: "int8", trt.bool: "bool"}
+    names = {
+        trt.float32: "fp32",
+        trt.float16: "fp16",
+        trt.bfloat16: "bf16",
+        trt.int64: "int64",
+        trt.int32: "int32",
+        trt.int8: "int8",
+        trt.bool: "bool",
+    }
     return names.get(dtype, str(dtype).removeprefix("DataType."))
-
-
-def make_logger(trt, label: str, log: Callable[[str], None], messages: list[str],
-                ignore: tuple[str, ...] = ()):
-    """A TensorRT (or TensorRT-RTX: the same API) logger that keeps errors in ``messages`` for
-    the error raised afterwards and passes warnings on, except those containing an ``ignore``
-    text."""
-
-    class Logger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-
-        def log(self, severity, msg):
-            if severity in (trt.ILogger.INTERNAL_ERROR, trt.ILogger.ERROR):
-                messages.append(msg)
-                log(f"{label} error: {msg}")
-            elif severity == trt.ILogger.WARNING and not any(t in msg for t in ignore):
-                log(f"{label} warning: {msg}")
-
-    return Logger()
 
 
 def parse_network(trt, builder, model: onnx.ModelProto, workdir: Path, backend: str = BACKEND):
@@ -98,22 +98,41 @@ def parse_network(trt, builder, model: onnx.ModelProto, workdir: Path, backend: 
     the build ends). Shared by both TensorRT backends (the same Python API)."""
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, builder.logger)
-    path = workdir / "model.onnx"     # weights beside it: the 2 GB protobuf limit does not apply
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=1024)
+    path = workdir / "model.onnx"  # weights beside it: the 2 GB protobuf limit does not apply
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=1024,
+    )
     if not parser.parse_from_file(str(path)):
         errors = []
         for i in range(parser.num_errors):
             e = parser.get_error(i)
-            where = f"node {e.node()} ({e.node_name() or '?'}, {e.node_operator() or '?'})" if e.node() >= 0 else "graph"
+            where = (
+                f"node {e.node()} ({e.node_name() or '?'}, {e.node_operator() or '?'})"
+                if e.node() >= 0
+                else "graph"
+            )
             errors.append(f"{where}: {e.desc()}")
-        raise BuildError(f"backend {backend}: the ONNX parser refused the graph: "
-                         + "; ".join(errors or ["no message"]))
+        raise BuildError(
+            f"backend {backend}: the ONNX parser refused the graph: "
+            + "; ".join(errors or ["no message"])
+        )
     return network, parser
 
 
-def build_plan(builder, network, shapes: dict[str, tuple[tuple, tuple, tuple]], messages: list[str],
-               backend: str, target: str, configure: Callable | None = None):
+def build_plan(
+    builder,
+    network,
+    shapes: dict[str, tuple[tuple, tuple, tuple]],
+    messages: list[str],
+    backend: str,
+    target: str,
+    configure: Callable | None = None,
+):
     """One engine: a builder config with one optimization profile (``shapes``: min/opt/max per
     input), ``configure(config)`` for the backend's own settings, then the build; a failed build
     is a BuildError with the builder's last errors. Returns ``(plan, seconds, config)``."""
@@ -129,40 +148,77 @@ def build_plan(builder, network, shapes: dict[str, tuple[tuple, tuple, tuple]], 
     plan = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - t0
     if plan is None:
-        raise BuildError(f"backend {backend}: building the {target} engine failed: "
-                         + ("; ".join(messages[-4:]) or f"no message from {backend}"))
+        raise BuildError(
+            f"backend {backend}: building the {target} engine failed: "
+            + ("; ".join(messages[-4:]) or f"no message from {backend}")
+        )
     return plan, seconds, config
 
 
-def engine_record(trt, target: str, backend: str, precision: str, kv_layout: str, rel: str, path: Path,
-                  seconds: float, shapes: dict, io: dict, aliases: dict, **extra) -> dict:
+def engine_record(
+    trt,
+    target: str,
+    backend: str,
+    precision: str,
+    kv_layout: str,
+    rel: str,
+    path: Path,
+    seconds: float,
+    shapes: dict,
+    io: dict,
+    aliases: dict,
+    **extra,
+) -> dict:
     """The manifest record of one built engine (both backends)."""
-    return {"target": target, "compute_capability": architecture_profiles()[target]["compute_capability"],
-            "backend": backend, "trt_version": trt.__version__, "precision": precision,
-            "kv_layout": kv_layout, **extra,
-            "file": rel, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-            "build_time_s": round(seconds, 2),
-            "profile": {n: {"min": list(lo), "opt": list(opt), "max": list(hi)} for n, (lo, opt, hi) in shapes.items()},
-            "io": io, "aliases": aliases}
+    return {
+        "target": target,
+        "compute_capability": architecture_profiles()[target]["compute_capability"],
+        "backend": backend,
+        "trt_version": trt.__version__,
+        "precision": precision,
+        "kv_layout": kv_layout,
+        **extra,
+        "file": rel,
+        "bytes": path.stat().st_size,
+        "sha256": sha256_file(path),
+        "build_time_s": round(seconds, 2),
+        "profile": {
+            n: {"min": list(lo), "opt": list(opt), "max": list(hi)}
+            for n, (lo, opt, hi) in shapes.items()
+        },
+        "io": io,
+        "aliases": aliases,
+    }
 
 
-def optimization_profile(network, limits: dict) -> dict[str, tuple[tuple, tuple, tuple]]:
+def optimization_profile(network, limits: Limits) -> dict[str, tuple[tuple, tuple, tuple]]:
     """min/opt/max shapes of every input: B in 1..max_num_seqs, S in 1..max_num_tokens (and at
     most the caches' max_seq_len: the KV update cannot write more rows than a cache has).
     opt is the in-flight decode step (every slot busy, one new token each), the shape a serving
     engine runs most; prefill chunks still run, on kernels picked for their own shapes."""
-    cache_len = max((network.get_input(i).shape[2] for i in range(network.num_inputs)
-                     if network.get_input(i).name.startswith("k_cache.")), default=0)
-    max_b = int(limits["max_num_seqs"])
-    max_s = min(int(limits["max_num_tokens"]), cache_len or int(limits["max_num_tokens"]))
+    cache_len = max(
+        (
+            network.get_input(i).shape[2]
+            for i in range(network.num_inputs)
+            if network.get_input(i).name.startswith("k_cache.")
+        ),
+        default=0,
+    )
+    max_b = int(limits.max_num_seqs)
+    max_s = min(int(limits.max_num_tokens), cache_len or int(limits.max_num_tokens))
     dims = {slot.BATCH: (1, max_b, max_b), slot.NEW_TOKENS: (1, 1, max_s)}
     batch_only = {"cache_positions", "logits_indices"}
     profile = {}
     for i in range(network.num_inputs):
         t = network.get_input(i)
         shape = list(t.shape)
-        symbolic = ([slot.BATCH, slot.NEW_TOKENS] if t.name == "input_ids" else
-                    [slot.BATCH] if t.name in batch_only else [slot.BATCH] + [None] * (len(shape) - 1))
+        symbolic = (
+            [slot.BATCH, slot.NEW_TOKENS]
+            if t.name == "input_ids"
+            else [slot.BATCH]
+            if t.name in batch_only
+            else [slot.BATCH] + [None] * (len(shape) - 1)
+        )
         mins, opts, maxs = [], [], []
         for k, d in enumerate(shape):
             if d >= 0:
@@ -170,8 +226,10 @@ def optimization_profile(network, limits: dict) -> dict[str, tuple[tuple, tuple,
                 continue
             name = symbolic[k] if k < len(symbolic) else None
             if name not in dims:
-                raise BuildError(f"backend {BACKEND}: input {t.name} has dynamic dimension {k} "
-                                 f"that the slot contract does not name")
+                raise BuildError(
+                    f"backend {BACKEND}: input {t.name} has dynamic dimension {k} "
+                    f"that the slot contract does not name"
+                )
             lo, opt, hi = dims[name]
             mins.append(lo), opts.append(opt), maxs.append(hi)
         profile[t.name] = (tuple(mins), tuple(opts), tuple(maxs))
@@ -180,17 +238,29 @@ def optimization_profile(network, limits: dict) -> dict[str, tuple[tuple, tuple,
 
 def network_io(trt, network, contract_shapes: dict[str, tuple]) -> dict:
     """Names, dtypes and shapes as the built network has them (-1 dims named by the contract)."""
+
     def describe(t):
         want = contract_shapes.get(t.name, ())
-        shape = [want[k] if d < 0 and k < len(want) and isinstance(want[k], str) else d
-                 for k, d in enumerate(t.shape)]
+        shape = [
+            want[k] if d < 0 and k < len(want) and isinstance(want[k], str) else d
+            for k, d in enumerate(t.shape)
+        ]
         return {"name": t.name, "dtype": _dtype_name(trt, t.dtype), "shape": shape}
-    return {"inputs": [describe(network.get_input(i)) for i in range(network.num_inputs)],
-            "outputs": [describe(network.get_output(i)) for i in range(network.num_outputs)]}
+
+    return {
+        "inputs": [describe(network.get_input(i)) for i in range(network.num_inputs)],
+        "outputs": [describe(network.get_output(i)) for i in range(network.num_outputs)],
+    }
 
 
-def build_rtx_engines(lowered: onnx.ModelProto, out_dir: Path, targets: list[str], limits: dict,
-                      precision: str, log: Callable[[str], None] = print) -> list[dict]:
+def build_rtx_engines(
+    lowered: onnx.ModelProto,
+    out_dir: Path,
+    targets: list[str],
+    limits: Limits,
+    precision: str,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """Build ``out_dir/engines/<target>.engine`` for each target; one manifest record each."""
     trt = import_trt()
     check_targets(targets, trt)
@@ -216,24 +286,41 @@ def build_rtx_engines(lowered: onnx.ModelProto, out_dir: Path, targets: list[str
         if missing:
             raise BuildError(f"backend {BACKEND}: updated caches {missing} are not network outputs")
         shapes = optimization_profile(network, limits)
-        contract_shapes = {i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim)
-                           for i in [*lowered.graph.input, *lowered.graph.output]}
+        contract_shapes = {
+            i.name: tuple(d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim)
+            for i in [*lowered.graph.input, *lowered.graph.output]
+        }
         io = network_io(trt, network, contract_shapes)
         for target in targets:
             cc = profiles[target]["compute_capability"]
 
             def configure(config, target=target):
                 config.num_compute_capabilities = 1
-                config.set_compute_capability(getattr(trt.ComputeCapability, _capability_member(target)), 0)
+                config.set_compute_capability(
+                    getattr(trt.ComputeCapability, _capability_member(target)), 0
+                )
 
             log(f"tensorrt-rtx: building {target} (compute capability {cc}) ...")
-            plan, seconds, _ = build_plan(builder, network, shapes, messages, BACKEND, target, configure)
+            plan, seconds, _ = build_plan(
+                builder, network, shapes, messages, BACKEND, target, configure
+            )
             rel = f"{ENGINE_DIR}/{target}.engine"
             path = out_dir / rel
             path.write_bytes(plan)
             del plan
-            record = engine_record(trt, target, BACKEND, precision, slot.KV_LAYOUT, rel, path, seconds,
-                                   shapes, io, aliases)
+            record = engine_record(
+                trt,
+                target,
+                BACKEND,
+                precision,
+                slot.KV_LAYOUT,
+                rel,
+                path,
+                seconds,
+                shapes,
+                io,
+                aliases,
+            )
             records.append(record)
             log(f"tensorrt-rtx: built {rel} in {seconds:.1f}s ({record['bytes'] / 1e6:.1f} MB)")
         del parser, network

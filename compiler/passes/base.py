@@ -1,4 +1,5 @@
 """What every graph pass shares: the result it reports and small graph-walking helpers."""
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,7 @@ LAYER_RE = re.compile(r"layers\.(\d+)\.")
 class PassResult:
     name: str
     matched: int = 0
-    per_layer: Counter = field(default_factory=Counter)   # layer index (or "final") -> count
+    per_layer: Counter = field(default_factory=Counter)  # layer index (or "final") -> count
     notes: list[str] = field(default_factory=list)
 
     def count(self, layer) -> None:

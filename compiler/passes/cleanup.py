@@ -1,5 +1,6 @@
 """Clean-up: constant folding (through onnxruntime, as onnx-graphsurgeon does it), shape
 folding and dead-node removal."""
+
 from __future__ import annotations
 
 import contextlib

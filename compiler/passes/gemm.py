@@ -4,6 +4,7 @@ activations once and launches one GEMM per group, as vLLM's merged QKV and gate-
 Bias stays inside the GEMM node (GEMM+bias in one op). Quantized projections merge the same
 way: `trtc::Int4Gemm` and `trtc::Fp8Gemm` keep every per-output-channel tensor along N, so
 their packed weights, scales, zeros and biases concatenate along N too."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,9 +23,15 @@ def _kind(node: gs.Node) -> str | None:
     """'Gemm', 'Int4Gemm' or 'Fp8Gemm' for a mergeable projection node, else None."""
     if node.op == "Gemm" and not node.domain:
         a = node.attrs
-        plain = (not a.get("transA", 0) and a.get("transB", 0) == 1 and a.get("alpha", 1.0) == 1.0
-                 and a.get("beta", 1.0) == 1.0)
-        return "Gemm" if plain and all(isinstance(t, gs.Constant) for t in node.inputs[1:]) else None
+        plain = (
+            not a.get("transA", 0)
+            and a.get("transB", 0) == 1
+            and a.get("alpha", 1.0) == 1.0
+            and a.get("beta", 1.0) == 1.0
+        )
+        return (
+            "Gemm" if plain and all(isinstance(t, gs.Constant) for t in node.inputs[1:]) else None
+        )
     if node.domain == DOMAIN and node.op in ("Int4Gemm", "Fp8Gemm"):
         return node.op if all(isinstance(t, gs.Constant) for t in node.inputs[1:]) else None
     return None
@@ -43,7 +50,9 @@ def _bias(node: gs.Node, position: int, n: int, dtype) -> np.ndarray:
     return node.inputs[position].values if len(node.inputs) > position else np.zeros(n, dtype)
 
 
-def _merged_inputs(kind: str, nodes: list[gs.Node], prefix: str, group: str) -> list[gs.Constant] | None:
+def _merged_inputs(
+    kind: str, nodes: list[gs.Node], prefix: str, group: str
+) -> list[gs.Constant] | None:
     """The constant inputs of the merged node, or None when the siblings do not merge."""
     name = f"{prefix}.{group}_proj"
     sizes = [_out_features(n) for n in nodes]
@@ -53,22 +62,39 @@ def _merged_inputs(kind: str, nodes: list[gs.Node], prefix: str, group: str) -> 
             return None
         merged = [gs.Constant(f"{name}.weight", np.concatenate(tensors, 0))]
     elif kind == "Int4Gemm":
-        if len({n.attrs["group_size"] for n in nodes}) != 1 or len({n.attrs["in_features"] for n in nodes}) != 1:
+        if (
+            len({n.attrs["group_size"] for n in nodes}) != 1
+            or len({n.attrs["in_features"] for n in nodes}) != 1
+        ):
             return None
         bias_at = 4
-        merged = [gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
-                  for i, part in ((1, "qweight"), (2, "scales"), (3, "zeros"))]
-    else:   # Fp8Gemm: one static input scale per node; siblings read the same input, so equal
+        merged = [
+            gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
+            for i, part in ((1, "qweight"), (2, "scales"), (3, "zeros"))
+        ]
+    else:  # Fp8Gemm: one static input scale per node; siblings read the same input, so equal
         bias_at = 4
-        merged = [gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
-                  for i, part in ((1, "weight"), (2, "weight_scale"))]
-        merged.append(gs.Constant(f"{name}.input_scale",
-                                  np.asarray(np.max([n.inputs[3].values for n in nodes], axis=0),
-                                             dtype=nodes[0].inputs[3].values.dtype)))
+        merged = [
+            gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
+            for i, part in ((1, "weight"), (2, "weight_scale"))
+        ]
+        merged.append(
+            gs.Constant(
+                f"{name}.input_scale",
+                np.asarray(
+                    np.max([n.inputs[3].values for n in nodes], axis=0),
+                    dtype=nodes[0].inputs[3].values.dtype,
+                ),
+            )
+        )
     if any(len(n.inputs) > bias_at for n in nodes):
         dtype = next(n.inputs[bias_at].values.dtype for n in nodes if len(n.inputs) > bias_at)
-        merged.append(gs.Constant(f"{name}.bias", np.concatenate(
-            [_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)], 0)))
+        merged.append(
+            gs.Constant(
+                f"{name}.bias",
+                np.concatenate([_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)], 0),
+            )
+        )
     return merged
 
 
@@ -97,13 +123,28 @@ def merge_sibling_gemms(graph: gs.Graph) -> tuple[PassResult, PassResult]:
             outs = [n.outputs[0] for n in nodes]
             for o in outs:
                 o.inputs.clear()
-            attrs = {"transB": 1} if kind == "Gemm" else {**nodes[0].attrs, "out_features": sum(sizes)}
+            attrs = (
+                {"transB": 1} if kind == "Gemm" else {**nodes[0].attrs, "out_features": sum(sizes)}
+            )
             graph.nodes += [
-                gs.Node(kind, name=f"{prefix}.{group}_proj", inputs=[tensor, *constants], outputs=[fused],
-                        attrs=attrs, domain=None if kind == "Gemm" else DOMAIN),
-                gs.Node("Split", name=f"{prefix}.{group}_split",
-                        inputs=[fused, gs.Constant(f"{prefix}.{group}_proj.sizes", np.array(sizes, np.int64))],
-                        outputs=outs, attrs={"axis": -1}),
+                gs.Node(
+                    kind,
+                    name=f"{prefix}.{group}_proj",
+                    inputs=[tensor, *constants],
+                    outputs=[fused],
+                    attrs=attrs,
+                    domain=None if kind == "Gemm" else DOMAIN,
+                ),
+                gs.Node(
+                    "Split",
+                    name=f"{prefix}.{group}_split",
+                    inputs=[
+                        fused,
+                        gs.Constant(f"{prefix}.{group}_proj.sizes", np.array(sizes, np.int64)),
+                    ],
+                    outputs=outs,
+                    attrs={"axis": -1},
+                ),
             ]
             merged[group].count(weight_layer(nodes[0]))
     return merged["qkv"], merged["gate_up"]

@@ -1,9 +1,10 @@
 """The pass pipeline: runs each pass in order over one onnx-graphsurgeon graph and collects
 what each matched into the fusion report the manifest records."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -20,11 +21,19 @@ from trtc.compiler.passes.swiglu import OPSET, fuse_swiglu, swiglu_function
 from trtc.plugins.spec import DOMAIN
 
 # Fusions every layer of a supported model must show; fewer is a build error.
-EXPECTED_PER_LAYER = {"rmsnorm": 2, "rotary": 2, "qkv_gemm": 1, "gate_up_gemm": 1, "swiglu": 1,
-                      "paged_attention": 1}
+EXPECTED_PER_LAYER = {
+    "rmsnorm": 2,
+    "rotary": 2,
+    "qkv_gemm": 1,
+    "gate_up_gemm": 1,
+    "swiglu": 1,
+    "paged_attention": 1,
+}
 
 
-def pass_list(g: ModelGeometry, precision: str) -> list[tuple[str, Callable[[gs.Graph], list[PassResult]]]]:
+def pass_list(
+    g: ModelGeometry, precision: str
+) -> list[tuple[str, Callable[[gs.Graph], list[PassResult]]]]:
     return [
         ("cleanup", lambda graph: [cleanup(graph)]),
         ("rmsnorm", lambda graph: [fuse_rmsnorm(graph)]),
@@ -46,8 +55,12 @@ def fusion_report(results: list[PassResult], num_layers: int) -> dict:
         totals[r.name] = r.matched
         for layer, n in sorted(r.per_layer.items(), key=lambda kv: str(kv[0])):
             (final if layer == "final" else per_layer[str(layer)])[r.name] = n
-    return {"totals": totals, "per_layer": per_layer, "final": final,
-            "notes": {r.name: r.notes for r in results if r.notes}}
+    return {
+        "totals": totals,
+        "per_layer": per_layer,
+        "final": final,
+        "notes": {r.name: r.notes for r in results if r.notes},
+    }
 
 
 def check_report(report: dict, num_layers: int) -> list[str]:
@@ -56,7 +69,9 @@ def check_report(report: dict, num_layers: int) -> list[str]:
     for layer, counts in report["per_layer"].items():
         for name, want in EXPECTED_PER_LAYER.items():
             if counts.get(name, 0) != want:
-                problems.append(f"layer {layer}: {name} matched {counts.get(name, 0)}, expected {want}")
+                problems.append(
+                    f"layer {layer}: {name} matched {counts.get(name, 0)}, expected {want}"
+                )
     return problems
 
 
@@ -75,7 +90,9 @@ def run_passes(model: onnx.ModelProto, g: ModelGeometry, precision: str, stage=N
     out = gs.export_onnx(graph, do_type_check=True)
     out.ir_version = model.ir_version
     del out.opset_import[:]
-    out.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)])
+    out.opset_import.extend(
+        [onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)]
+    )
     if any(n.op_type == "SwiGLU" and n.domain == DOMAIN for n in out.graph.node):
         out.functions.append(swiglu_function())
     return out, results

@@ -2,12 +2,13 @@
 every floating-point weight must already be in the build precision; the only fp32 math is what
 is meant to be fp32 (RMSNorm statistics via stash_type, attention softmax inside the plugin,
 the logits)."""
+
 from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from trtc.compiler.errors import BuildError
 from trtc.compiler.passes.base import PassResult
+from trtc.errors import BuildError
 
 NUMPY_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -28,7 +29,7 @@ def check_precision(graph: gs.Graph, precision: str) -> PassResult:
     exempt = _fp32_by_contract(graph)
     for t in graph.tensors().values():
         if not isinstance(t, gs.Constant) or not _is_float(t.values.dtype) or t.values.size <= 1:
-            continue    # scalars (eps, exponents) are typed by the ops that read them
+            continue  # scalars (eps, exponents) are typed by the ops that read them
         if t.name in exempt:
             continue
         if t.values.dtype.name != want:

@@ -1,11 +1,19 @@
 """RMSNorm fusion: ``w * cast(xf * 1/sqrt(mean(xf^2) + eps))`` -> ONNX ``RMSNormalization``
 (opset 23) with fp32 stash type, the precision transformers computes it in."""
+
 from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from trtc.compiler.passes.base import (PassResult, const_value, is_scalar, only_consumer,
-                                       other_operand, producer, weight_layer)
+from trtc.compiler.passes.base import (
+    PassResult,
+    const_value,
+    is_scalar,
+    only_consumer,
+    other_operand,
+    producer,
+    weight_layer,
+)
 
 
 def _strip_cast(tensor: gs.Tensor) -> gs.Tensor:
@@ -47,9 +55,18 @@ def fuse_rmsnorm(graph: gs.Graph) -> PassResult:
         x = _strip_cast(xf)
         out = scale_mul.outputs[0]
         out.inputs.clear()
-        graph.nodes.append(gs.Node(
-            "RMSNormalization", name=weight.name.removesuffix(".weight") or None,
-            inputs=[x, weight], outputs=[out],
-            attrs={"axis": -1, "epsilon": float(const_value(eps_t).reshape(())), "stash_type": 1}))
+        graph.nodes.append(
+            gs.Node(
+                "RMSNormalization",
+                name=weight.name.removesuffix(".weight") or None,
+                inputs=[x, weight],
+                outputs=[out],
+                attrs={
+                    "axis": -1,
+                    "epsilon": float(const_value(eps_t).reshape(())),
+                    "stash_type": 1,
+                },
+            )
+        )
         result.count(weight_layer(scale_mul))
     return result

@@ -9,6 +9,7 @@ Matches the non-interleaved RoPE spelling of `trtc.compiler.model.apply_rotary`:
 and replaces it with ONNX ``RotaryEmbedding`` (opset 23) over ``y[1, T, heads*D]`` that reads
 the tables by position itself, so the per-layer gathers disappear.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -73,12 +74,20 @@ def fuse_rotary(graph: gs.Graph) -> PassResult:
         sources = {r[0][0].name for r in roles.values()}
         positions = {r[2].name for r in roles.values()}
         tables_sub = (roles[id(m_sub[0])][1], roles[id(m_sub[1])][1])
-        if len(sources) != 1 or len(positions) != 1 or part0 != "low" or tables_sub[0] is tables_sub[1]:
+        if (
+            len(sources) != 1
+            or len(positions) != 1
+            or part0 != "low"
+            or tables_sub[0] is tables_sub[1]
+        ):
             continue
         sin = tables_sub[1]
         # Spelling check: x1*cos - x2*sin and (x2*cos + x1*sin) in either order.
         add_parts = {(roles[id(m)][0][1], roles[id(m)][1].name) for m in m_add}
-        if roles[id(m_sub[1])][0][1] != "high" or add_parts != {("high", cos.name), ("low", sin.name)}:
+        if roles[id(m_sub[1])][0][1] != "high" or add_parts != {
+            ("high", cos.name),
+            ("low", sin.name),
+        }:
             continue
         shape_in = producer(src, "Reshape")
         reshape_out = concat.outputs[0].outputs[0] if len(concat.outputs[0].outputs) == 1 else None
@@ -91,10 +100,19 @@ def fuse_rotary(graph: gs.Graph) -> PassResult:
             result.notes.append(f"skipped {concat.name}: unknown head count")
             continue
         if pos.name not in position_rows:
-            row = gs.Variable(f"{pos.name}.row", dtype=pos.dtype, shape=[1, pos.shape[0] if pos.shape else "num_tokens"])
-            graph.nodes.append(gs.Node("Unsqueeze", name=f"{pos.name}.unsqueeze",
-                                       inputs=[pos, gs.Constant(f"{pos.name}.axis0", np.array([0], np.int64))],
-                                       outputs=[row]))
+            row = gs.Variable(
+                f"{pos.name}.row",
+                dtype=pos.dtype,
+                shape=[1, pos.shape[0] if pos.shape else "num_tokens"],
+            )
+            graph.nodes.append(
+                gs.Node(
+                    "Unsqueeze",
+                    name=f"{pos.name}.unsqueeze",
+                    inputs=[pos, gs.Constant(f"{pos.name}.axis0", np.array([0], np.int64))],
+                    outputs=[row],
+                )
+            )
             position_rows[pos.name] = row
         layer = weight_layer(producer(y)) if producer(y) is not None else "final"
         name = f"rotary.{y.name}"
@@ -105,8 +123,13 @@ def fuse_rotary(graph: gs.Graph) -> PassResult:
         out.inputs.clear()
         graph.nodes += [
             gs.Node("Unsqueeze", name=f"{name}.unsqueeze", inputs=[y, zero], outputs=[y3]),
-            gs.Node("RotaryEmbedding", name=name, inputs=[y3, cos, sin, position_rows[pos.name]],
-                    outputs=[r3], attrs={"num_heads": int(width // head_dim), "interleaved": 0}),
+            gs.Node(
+                "RotaryEmbedding",
+                name=name,
+                inputs=[y3, cos, sin, position_rows[pos.name]],
+                outputs=[r3],
+                attrs={"num_heads": int(width // head_dim), "interleaved": 0},
+            ),
             gs.Node("Squeeze", name=f"{name}.squeeze", inputs=[r3, zero], outputs=[out]),
         ]
         result.count(layer)

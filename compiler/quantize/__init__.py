@@ -2,7 +2,13 @@
 group-wise asymmetric, for `trtc::Int4Gemm`), FP8 E4M3 (for `trtc::Fp8Gemm`).
 
 Entry point: `trtc.compiler.quantize.apply.quantize_model`."""
-from trtc.compiler.quantize.apply import (METHODS, Fp8Weights, Int4Weights, QuantizationResult,
-                                          quantize_model)
+
+from trtc.compiler.quantize.apply import (
+    METHODS,
+    Fp8Weights,
+    Int4Weights,
+    QuantizationResult,
+    quantize_model,
+)
 
 __all__ = ["METHODS", "Fp8Weights", "Int4Weights", "QuantizationResult", "quantize_model"]

@@ -5,6 +5,7 @@ every decoder layer (never the embeddings or the LM head), named as in the state
 (``model.layers.3.mlp.down_proj``), plus `QuantizationResult.record`, the manifest's
 quantization section.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,7 +19,8 @@ from trtc.compiler.quantize import awq, fp8, gptq, rtn
 from trtc.compiler.quantize.calibration import CalibrationData, calibration_data
 from trtc.compiler.quantize.layers import LINEARS, ModelInputs, decoder_layers, linear, run_layer
 from trtc.plugins.fp8_gemm import Fp8Linear
-from trtc.plugins.int4_gemm import Int4Linear, dequantize as int4_dequantize, pack_int4
+from trtc.plugins.int4_gemm import Int4Linear, pack_int4
+from trtc.plugins.int4_gemm import dequantize as int4_dequantize
 
 METHODS = ("rtn", "awq", "gptq", "fp8")
 
@@ -26,10 +28,11 @@ METHODS = ("rtn", "awq", "gptq", "fp8")
 @dataclass
 class Int4Weights:
     """Inputs of one `trtc::Int4Gemm` node (scales fp32 here: cast to the model dtype)."""
-    qweight: torch.Tensor           # uint8 [N, K/2], low nibble = even k
-    scales: torch.Tensor            # fp32 [N, ceil(K/g)]
-    zeros: torch.Tensor             # uint8 [N, ceil(K/g)], 0..15
-    bias: torch.Tensor | None       # [N] or None
+
+    qweight: torch.Tensor  # uint8 [N, K/2], low nibble = even k
+    scales: torch.Tensor  # fp32 [N, ceil(K/g)]
+    zeros: torch.Tensor  # uint8 [N, ceil(K/g)], 0..15
+    bias: torch.Tensor | None  # [N] or None
     group_size: int
 
     @property
@@ -49,9 +52,10 @@ class Int4Weights:
 @dataclass
 class Fp8Weights:
     """Inputs of one `trtc::Fp8Gemm` node."""
-    weight: torch.Tensor            # float8_e4m3fn [N, K]
-    weight_scale: torch.Tensor      # fp32 [N]
-    input_scale: torch.Tensor       # fp32 []
+
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    weight_scale: torch.Tensor  # fp32 [N]
+    input_scale: torch.Tensor  # fp32 []
     bias: torch.Tensor | None
 
     @property
@@ -71,13 +75,13 @@ class Fp8Weights:
 @dataclass
 class QuantizationResult:
     method: str
-    group_size: int | None                       # None for fp8
+    group_size: int | None  # None for fp8
     act_order: bool
     partial_groups: bool
-    calibration: CalibrationData | None          # None for rtn
+    calibration: CalibrationData | None  # None for rtn
     num_decoder_layers: int
     linears: dict[str, Int4Weights | Fp8Weights] = field(default_factory=dict)
-    algorithm: dict = field(default_factory=dict)   # the method's settings, for the manifest
+    algorithm: dict = field(default_factory=dict)  # the method's settings, for the manifest
     seconds: float = 0.0
 
     @property
@@ -89,17 +93,23 @@ class QuantizationResult:
         before = sum(2 * n * k for n, k in (w.shape for w in self.linears.values()))
         after = sum(w.nbytes() for w in self.linears.values())
         return {
-            "method": self.method, "bits": self.bits, "group_size": self.group_size,
-            "partial_groups": self.partial_groups, "act_order": self.act_order,
-            "weights": "int4 asymmetric, group-wise along K" if self.bits == 4
-                       else "fp8 e4m3, per output channel",
-            "activations": "fp8 e4m3, per tensor, static" if self.method == "fp8" else "unquantized",
+            "method": self.method,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "partial_groups": self.partial_groups,
+            "act_order": self.act_order,
+            "weights": "int4 asymmetric, group-wise along K"
+            if self.bits == 4
+            else "fp8 e4m3, per output channel",
+            "activations": "fp8 e4m3, per tensor, static"
+            if self.method == "fp8"
+            else "unquantized",
             "algorithm": dict(self.algorithm),
             "calibration": None if self.calibration is None else self.calibration.record(),
             "num_decoder_layers": self.num_decoder_layers,
             "num_linears_quantized": len(self.linears),
             "linear_weight_bytes_fp16": before,
-            "linear_weight_bytes_quantized": after,   # packed weights + fp16 scales + zeros
+            "linear_weight_bytes_quantized": after,  # packed weights + fp16 scales + zeros
         }
 
     def install(self, hf_model) -> None:
@@ -110,11 +120,21 @@ class QuantizationResult:
             setattr(hf_model.get_submodule(parent), attr, weights.module())
 
 
-def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
-                   calibration_path: str | None = None, num_samples: int = 128,
-                   seq_len: int = 512, *, act_order: bool = True, partial_groups: bool = False,
-                   fp8_error_feedback: bool = True, batch_size: int = 8,
-                   log: Callable[[str], None] | None = None) -> QuantizationResult:
+def quantize_model(
+    hf_model,
+    tokenizer,
+    method: str,
+    group_size: int = 128,
+    calibration_path: str | None = None,
+    num_samples: int = 128,
+    seq_len: int = 512,
+    *,
+    act_order: bool = True,
+    partial_groups: bool = False,
+    fp8_error_feedback: bool = True,
+    batch_size: int = 8,
+    log: Callable[[str], None] | None = None,
+) -> QuantizationResult:
     """Quantize every q/k/v/o/gate/up/down projection of ``hf_model``.
 
     ``method``: ``rtn`` (no calibration), ``awq``, ``gptq`` (INT4, ``group_size`` 32/64/128,
@@ -138,38 +158,75 @@ def quantize_model(hf_model, tokenizer, method: str, group_size: int = 128,
     if method != "fp8":
         for i, layer in enumerate(layers):
             for path in LINEARS:
-                rtn.check_group_size(f"model.layers.{i}.{path}", linear(layer, path).in_features,
-                                     group_size, partial_groups)
+                rtn.check_group_size(
+                    f"model.layers.{i}.{path}",
+                    linear(layer, path).in_features,
+                    group_size,
+                    partial_groups,
+                )
     start = time.perf_counter()
     was_training = hf_model.training
     hf_model.eval()
-    calib = None if method == "rtn" else calibration_data(tokenizer, calibration_path, num_samples, seq_len)
+    calib = (
+        None
+        if method == "rtn"
+        else calibration_data(tokenizer, calibration_path, num_samples, seq_len)
+    )
     int4 = method != "fp8"
-    result = QuantizationResult(method, group_size if int4 else None, act_order and method == "gptq",
-                                partial_groups and int4, calib, len(layers))
+    result = QuantizationResult(
+        method,
+        group_size if int4 else None,
+        act_order and method == "gptq",
+        partial_groups and int4,
+        calib,
+        len(layers),
+    )
     result.algorithm = {
         "rtn": {"rounding": "nearest", "range": "min/max including 0"},
-        "awq": {"alpha_grid": awq.N_GRID, "objective": "Linear outputs; MLP output for gate/up",
-                "clip_search": True, "fold": "RMSNorm weights, v_proj and up_proj rows",
-                "search_sample": f"at most {awq.SEARCH_TOKENS} tokens (clip search "
-                                 f"{awq.CLIP_TOKENS}), uniform without replacement, "
-                                 f"seed {awq.SAMPLE_SEED}"},
-        "gptq": {"percdamp": 0.01, "block_size": gptq.BLOCK_SIZE, "act_order": result.act_order,
-                 "static_groups": result.act_order, "range_search_steps": gptq.SHRINK_STEPS,
-                 "range_search_error": "squared, weighted by diag(H)",
-                 "sequential": "layers, then q/k/v, o, gate/up, down"},
-        "fp8": {"format": "e4m3fn", "weight_scale": "amax/448 per output channel",
-                "input_scale": "calibration amax/448 per tensor",
-                "weight_rounding": "gptq error feedback, percdamp 0.1" if fp8_error_feedback
-                                   else "nearest"},
+        "awq": {
+            "alpha_grid": awq.N_GRID,
+            "objective": "Linear outputs; MLP output for gate/up",
+            "clip_search": True,
+            "fold": "RMSNorm weights, v_proj and up_proj rows",
+            "search_sample": f"at most {awq.SEARCH_TOKENS} tokens (clip search "
+            f"{awq.CLIP_TOKENS}), uniform without replacement, "
+            f"seed {awq.SAMPLE_SEED}",
+        },
+        "gptq": {
+            "percdamp": 0.01,
+            "block_size": gptq.BLOCK_SIZE,
+            "act_order": result.act_order,
+            "static_groups": result.act_order,
+            "range_search_steps": gptq.SHRINK_STEPS,
+            "range_search_error": "squared, weighted by diag(H)",
+            "sequential": "layers, then q/k/v, o, gate/up, down",
+        },
+        "fp8": {
+            "format": "e4m3fn",
+            "weight_scale": "amax/448 per output channel",
+            "input_scale": "calibration amax/448 per tensor",
+            "weight_rounding": "gptq error feedback, percdamp 0.1"
+            if fp8_error_feedback
+            else "nearest",
+        },
     }[method]
     try:
         with torch.no_grad():
             if method == "fp8":
                 _fp8(hf_model, layers, calib, batch_size, fp8_error_feedback, say, result)
             else:
-                _int4(hf_model, layers, method, group_size, calib, batch_size, act_order,
-                      partial_groups, say, result)
+                _int4(
+                    hf_model,
+                    layers,
+                    method,
+                    group_size,
+                    calib,
+                    batch_size,
+                    act_order,
+                    partial_groups,
+                    say,
+                    result,
+                )
     finally:
         hf_model.train(was_training)
     result.seconds = time.perf_counter() - start
@@ -181,27 +238,37 @@ def _bias(lin: nn.Linear) -> torch.Tensor | None:
     return None if lin.bias is None else lin.bias.detach().float().clone()
 
 
-def _int4(hf_model, layers, method, group_size, calib, batch_size, act_order, partial_groups,
-          say, result):
+def _int4(
+    hf_model, layers, method, group_size, calib, batch_size, act_order, partial_groups, say, result
+):
     inputs = None if calib is None else ModelInputs(hf_model, calib.batches, batch_size)
     hidden = None if inputs is None else inputs.first.hidden
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
         if method == "rtn":
-            quantized = {p: rtn.quantize_rtn(linear(layer, p).weight, group_size, p,
-                                             partial_groups=partial_groups) for p in LINEARS}
+            quantized = {
+                p: rtn.quantize_rtn(
+                    linear(layer, p).weight, group_size, p, partial_groups=partial_groups
+                )
+                for p in LINEARS
+            }
         elif method == "awq":
             layer_inputs = inputs.for_layer(i, hidden)
             next_hidden = run_layer(layer, layer_inputs)
-            quantized = awq.awq_layer(layer, layer_inputs, group_size, partial_groups=partial_groups)
+            quantized = awq.awq_layer(
+                layer, layer_inputs, group_size, partial_groups=partial_groups
+            )
             hidden = next_hidden
         else:
             quantized, hidden = gptq.gptq_layer(
-                layer, inputs.for_layer(i, hidden),
-                gptq.int4_quantizer(group_size, act_order=act_order, partial_groups=partial_groups))
+                layer,
+                inputs.for_layer(i, hidden),
+                gptq.int4_quantizer(group_size, act_order=act_order, partial_groups=partial_groups),
+            )
         for path, (q, scales, zeros) in quantized.items():
             result.linears[f"model.layers.{i}.{path}"] = Int4Weights(
-                pack_int4(q), scales, zeros, _bias(linear(layer, path)), group_size)
+                pack_int4(q), scales, zeros, _bias(linear(layer, path)), group_size
+            )
         if method != "rtn":
             say(f"{method}: layer {i + 1}/{len(layers)} in {time.perf_counter() - t0:.1f} s")
 
@@ -214,12 +281,15 @@ def _fp8(hf_model, layers, calib, batch_size, error_feedback, say, result):
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
         if error_feedback:
-            quantized, hidden = gptq.gptq_layer(layer, inputs.for_layer(i, hidden), gptq.fp8_quantizer())
+            quantized, hidden = gptq.gptq_layer(
+                layer, inputs.for_layer(i, hidden), gptq.fp8_quantizer()
+            )
         else:
             quantized = {p: fp8.quantize_weight_fp8(linear(layer, p).weight) for p in LINEARS}
         for path, (weight, weight_scale) in quantized.items():
             name = f"model.layers.{i}.{path}"
-            result.linears[name] = Fp8Weights(weight, weight_scale, fp8.input_scale(amax[name]),
-                                              _bias(linear(layer, path)))
+            result.linears[name] = Fp8Weights(
+                weight, weight_scale, fp8.input_scale(amax[name]), _bias(linear(layer, path))
+            )
         if error_feedback:
             say(f"fp8: layer {i + 1}/{len(layers)} in {time.perf_counter() - t0:.1f} s")

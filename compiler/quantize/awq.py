@@ -27,6 +27,7 @@ copy that is quantized; the fp model keeps its unclipped (scaled) weights.
 
 Finally the scaled, clipped weights are RTN-quantized (`rtn.quantize_rtn`).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,12 +41,12 @@ from trtc.compiler.quantize import rtn
 from trtc.compiler.quantize.layers import INPUT_GROUPS, LayerInputs, capture_inputs, linear
 from trtc.plugins.int4_gemm.reference import per_column
 
-N_GRID = 20            # alpha grid points on [0, 1]
-CLIP_GRID = 20         # clipping ratios 1 - i/CLIP_GRID ...
+N_GRID = 20  # alpha grid points on [0, 1]
+CLIP_GRID = 20  # clipping ratios 1 - i/CLIP_GRID ...
 CLIP_MAX_SHRINK = 0.5  # ... down to 1 - CLIP_MAX_SHRINK (exclusive)
-SEARCH_TOKENS = 4096   # token rows sampled for the scale search ...
-CLIP_TOKENS = 1024     # ... and, of those, for the clip search
-SAMPLE_SEED = 0        # the sample's seed: builds stay reproducible
+SEARCH_TOKENS = 4096  # token rows sampled for the scale search ...
+CLIP_TOKENS = 1024  # ... and, of those, for the clip search
+SAMPLE_SEED = 0  # the sample's seed: builds stay reproducible
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 
@@ -62,7 +63,7 @@ class ActivationSample:
 
     def __init__(self, total_tokens: int, max_tokens: int, seed: int = SAMPLE_SEED):
         order = torch.randperm(total_tokens, generator=torch.Generator().manual_seed(seed))
-        self.keep = order[:max_tokens].sort().values      # token rows sampled, in stream order
+        self.keep = order[:max_tokens].sort().values  # token rows sampled, in stream order
         self.abs_sum: torch.Tensor | None = None
         self.count = 0
         self.rows: list[torch.Tensor] = []
@@ -88,9 +89,9 @@ class ActivationSample:
 
 @dataclass
 class _Group:
-    prev: nn.Module             # RMSNorm, or the Linear whose output rows feed the group
+    prev: nn.Module  # RMSNorm, or the Linear whose output rows feed the group
     prev_is_linear: bool
-    paths: tuple[str, ...]      # the Linears that read the input, to be scaled
+    paths: tuple[str, ...]  # the Linears that read the input, to be scaled
 
 
 def scale_groups(layer: nn.Module) -> list[_Group]:
@@ -103,8 +104,13 @@ def scale_groups(layer: nn.Module) -> list[_Group]:
     return groups
 
 
-def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor],
-                 group_size: int, output=None) -> tuple[torch.Tensor, float, float]:
+def search_scale(
+    x: torch.Tensor,
+    mean_abs: torch.Tensor,
+    weights: list[torch.Tensor],
+    group_size: int,
+    output=None,
+) -> tuple[torch.Tensor, float, float]:
     """Best ``s [K]`` for the Linears ``weights`` (each ``[N_i, K]``) reading tokens
     ``x [M, K]``. ``output(x, weights)`` is what must be preserved (default: the Linears'
     outputs, concatenated). Returns ``(s, alpha, loss)``; alpha 0 gives s = 1."""
@@ -125,34 +131,40 @@ def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Te
 def _mlp_output(mlp: nn.Module):
     """gate/up are judged by the MLP's output (through the activation and down_proj), as in
     the paper's implementation: that is what their errors cost."""
+
     def output(x, ws):
         gate_b, up_b = mlp.gate_proj.bias, mlp.up_proj.bias
         h = mlp.act_fn(F.linear(x, ws[0], gate_b)) * F.linear(x, ws[1], up_b)
         return F.linear(h, mlp.down_proj.weight.float(), mlp.down_proj.bias)
+
     return output
 
 
-def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int,
-                rows_per_batch: int = 256) -> torch.Tensor:
+def search_clip(
+    x: torch.Tensor, weight: torch.Tensor, group_size: int, rows_per_batch: int = 256
+) -> torch.Tensor:
     """Per output row and group, the clipping bound ``[N, K/g]`` (a shrunk max|w|) that best
     keeps that group's contribution ``x_group @ w_group`` on tokens ``x [M, K]``."""
     # Zero columns pad a shorter last group: they add nothing to any product.
-    x, weight = rtn.pad_to_groups(x.float(), group_size), rtn.pad_to_groups(weight.float(), group_size)
+    x, weight = (
+        rtn.pad_to_groups(x.float(), group_size),
+        rtn.pad_to_groups(weight.float(), group_size),
+    )
     n, k = weight.shape
     g = k // group_size
-    xg = x.reshape(-1, g, group_size).transpose(0, 1)                      # [G, M, gs]
+    xg = x.reshape(-1, g, group_size).transpose(0, 1)  # [G, M, gs]
     bounds = []
     for w in weight.split(rows_per_batch):
-        wg = w.reshape(-1, g, group_size)                                  # [n, G, gs]
-        org_max = wg.abs().amax(-1)                                        # [n, G]
-        ref = xg @ wg.permute(1, 2, 0)                                     # [G, M, n]
+        wg = w.reshape(-1, g, group_size)  # [n, G, gs]
+        org_max = wg.abs().amax(-1)  # [n, G]
+        ref = xg @ wg.permute(1, 2, 0)  # [G, M, n]
         best_err = torch.full_like(org_max, math.inf)
         best_max = org_max.clone()
         for i in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
             max_val = org_max * (1 - i / CLIP_GRID)
             clipped = torch.maximum(torch.minimum(wg, max_val[..., None]), -max_val[..., None])
             w_q = rtn.fake_quantize(clipped.reshape(-1, k), group_size).reshape(wg.shape)
-            err = (xg @ w_q.permute(1, 2, 0) - ref).pow(2).mean(1).T       # [n, G]
+            err = (xg @ w_q.permute(1, 2, 0) - ref).pow(2).mean(1).T  # [n, G]
             better = err < best_err
             best_err[better], best_max[better] = err[better], max_val[better]
         bounds.append(best_max)
@@ -165,14 +177,21 @@ def clip(weight: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.T
 
 
 @torch.no_grad()
-def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
-              max_search_tokens: int = SEARCH_TOKENS, max_clip_tokens: int = CLIP_TOKENS,
-              clip_search: bool = True, partial_groups: bool = False
-              ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def awq_layer(
+    layer: nn.Module,
+    inputs: LayerInputs,
+    group_size: int,
+    *,
+    max_search_tokens: int = SEARCH_TOKENS,
+    max_clip_tokens: int = CLIP_TOKENS,
+    clip_search: bool = True,
+    partial_groups: bool = False,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Scale-search, fold (in place, on the fp layer) and clip-search one decoder layer.
     Returns ``{path: (q uint8 [N, K], scales fp32, zeros uint8)}`` for its seven Linears."""
-    samples = {paths[0]: ActivationSample(inputs.num_tokens, max_search_tokens)
-               for paths in INPUT_GROUPS}
+    samples = {
+        paths[0]: ActivationSample(inputs.num_tokens, max_search_tokens) for paths in INPUT_GROUPS
+    }
     capture_inputs(layer, inputs, tuple(samples), lambda path, x: samples[path].add(x))
 
     # 1. Scales, all searched on the fp layer's own activations, then folded.
@@ -182,7 +201,7 @@ def awq_layer(layer: nn.Module, inputs: LayerInputs, group_size: int, *,
         output = _mlp_output(layer.mlp) if group.paths == INPUT_GROUPS[2] else None
         s, _, _ = search_scale(sample.tokens, sample.mean_abs, weights, group_size, output)
         _fold(group, [linear(layer, p) for p in group.paths], s)
-        sample.rows = [r / s for r in sample.rows]                  # the input the layer now sees
+        sample.rows = [r / s for r in sample.rows]  # the input the layer now sees
 
     # 2. Clipping, on the scaled weights and inputs; 3. RTN.
     result = {}

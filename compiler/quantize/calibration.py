@@ -5,6 +5,7 @@ ships (`pydoc_data.topics.topics`: the language reference pages behind ``help('T
 values joined in sorted key order. It needs no download, and its hash goes into the manifest so
 a build can say exactly what it calibrated on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +17,7 @@ DEFAULT_SOURCE = "pydoc_data.topics"
 
 def default_text() -> str:
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
@@ -25,16 +27,21 @@ def text_sha256(text: str) -> str:
 
 @dataclass(frozen=True)
 class CalibrationData:
-    batches: list[list[int]]      # num_samples token windows of seq_len tokens each
-    source: str                   # "file" or DEFAULT_SOURCE
+    batches: list[list[int]]  # num_samples token windows of seq_len tokens each
+    source: str  # "file" or DEFAULT_SOURCE
     path: str | None
     text_sha256: str
     num_samples: int
     seq_len: int
 
     def record(self) -> dict:
-        return {"source": self.source, "path": self.path, "text_sha256": self.text_sha256,
-                "num_samples": self.num_samples, "seq_len": self.seq_len}
+        return {
+            "source": self.source,
+            "path": self.path,
+            "text_sha256": self.text_sha256,
+            "num_samples": self.num_samples,
+            "seq_len": self.seq_len,
+        }
 
 
 def load_text(path: str | None) -> tuple[str, str]:
@@ -43,8 +50,10 @@ def load_text(path: str | None) -> tuple[str, str]:
         return default_text(), DEFAULT_SOURCE
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"calibration file {path!r} does not exist (quantization.calibration.path; "
-                         f"leave it unset to calibrate on the built-in {DEFAULT_SOURCE} text)")
+        raise ValueError(
+            f"calibration file {path!r} does not exist (quantization.calibration.path; "
+            f"leave it unset to calibrate on the built-in {DEFAULT_SOURCE} text)"
+        )
     return p.read_text(encoding="utf-8"), "file"
 
 
@@ -58,24 +67,36 @@ def window_starts(num_tokens: int, num_samples: int, seq_len: int) -> list[int]:
     return [round(i * last / (num_samples - 1)) for i in range(num_samples)]
 
 
-def calibration_data(tokenizer, path: str | None, num_samples: int, seq_len: int) -> CalibrationData:
+def calibration_data(
+    tokenizer, path: str | None, num_samples: int, seq_len: int
+) -> CalibrationData:
     """Tokenize the text once (no special tokens) and cut ``num_samples`` windows of
     ``seq_len`` tokens, spread evenly over it (see `window_starts`)."""
     if num_samples < 1 or seq_len < 1:
-        raise ValueError(f"calibration wants num_samples >= 1 and seq_len >= 1, got "
-                         f"{num_samples} and {seq_len}")
+        raise ValueError(
+            f"calibration wants num_samples >= 1 and seq_len >= 1, got {num_samples} and {seq_len}"
+        )
     text, source = load_text(path)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) < seq_len:
         where = f"calibration file {path!r}" if path else f"the {DEFAULT_SOURCE} text"
-        raise ValueError(f"{where} has {len(ids)} tokens, fewer than one sample of seq_len "
-                         f"{seq_len}: give a longer text or a smaller seq_len")
+        raise ValueError(
+            f"{where} has {len(ids)} tokens, fewer than one sample of seq_len "
+            f"{seq_len}: give a longer text or a smaller seq_len"
+        )
     starts = window_starts(len(ids), num_samples, seq_len)
-    return CalibrationData([list(ids[s:s + seq_len]) for s in starts], source, path,
-                           text_sha256(text), num_samples, seq_len)
+    return CalibrationData(
+        [list(ids[s : s + seq_len]) for s in starts],
+        source,
+        path,
+        text_sha256(text),
+        num_samples,
+        seq_len,
+    )
 
 
-def calibration_token_batches(tokenizer, path: str | None, num_samples: int,
-                              seq_len: int) -> list[list[int]]:
+def calibration_token_batches(
+    tokenizer, path: str | None, num_samples: int, seq_len: int
+) -> list[list[int]]:
     """``num_samples`` lists of ``seq_len`` token ids (see `calibration_data`)."""
     return calibration_data(tokenizer, path, num_samples, seq_len).batches

@@ -12,6 +12,7 @@
   largest |x| that Linear saw over the calibration set (fp model). Larger values at serving
   time saturate (the Fp8Gemm contract).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,9 @@ def input_scale(amax: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibrate_input_amax(hf_model, token_batches: list[list[int]], batch_size: int
-                         ) -> dict[str, float]:
+def calibrate_input_amax(
+    hf_model, token_batches: list[list[int]], batch_size: int
+) -> dict[str, float]:
     """``{"model.layers.{i}.{path}": max |input|}`` over the calibration set."""
     amax: dict[str, float] = {}
     handles = []
@@ -49,6 +51,7 @@ def calibrate_input_amax(hf_model, token_batches: list[list[int]], batch_size: i
 
             def hook(module, args, name=name):
                 amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
+
             handles.append(linear(layer, path).register_forward_pre_hook(hook))
     try:
         ids = torch.tensor(token_batches, dtype=torch.long)

@@ -44,6 +44,7 @@ per-channel scale, the loop is unchanged (damping 0.1 there, see its docstring).
 a layer Linear group by Linear group (q/k/v, o, gate/up, down), each one calibrated on the
 inputs produced by the already-quantized Linears and layers before it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -52,7 +53,14 @@ import torch
 from torch import nn
 
 from trtc.compiler.quantize import rtn
-from trtc.compiler.quantize.layers import INPUT_GROUPS, LINEARS, LayerInputs, capture_inputs, linear, run_layer
+from trtc.compiler.quantize.layers import (
+    INPUT_GROUPS,
+    LINEARS,
+    LayerInputs,
+    capture_inputs,
+    linear,
+    run_layer,
+)
 
 BLOCK_SIZE = 128
 SHRINK_STEPS = 79
@@ -79,14 +87,15 @@ def _upper_cholesky_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of ``(H + damp I)^-1``; more damping if H is not positive definite."""
     eye = torch.eye(h.shape[0], dtype=h.dtype)
     for attempt in range(6):
-        l, info = torch.linalg.cholesky_ex(h + damp * (10 ** attempt) * eye)
+        l, info = torch.linalg.cholesky_ex(h + damp * (10**attempt) * eye)
         if info == 0:
             hinv = torch.cholesky_inverse(l)
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if info == 0:
                 return u
-    raise RuntimeError("GPTQ: the Hessian stays singular after damping (calibration data "
-                       "too small or degenerate?)")
+    raise RuntimeError(
+        "GPTQ: the Hessian stays singular after damping (calibration data too small or degenerate?)"
+    )
 
 
 def _prepare(weight: torch.Tensor, hessian: torch.Tensor, act_order: bool, percdamp: float):
@@ -106,8 +115,12 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor, act_order: bool, percd
     return w, perm, _upper_cholesky_inverse(h, damp)
 
 
-def _error_feedback(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
-                    round_column: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
+def _error_feedback(
+    w: torch.Tensor,
+    hinv: torch.Tensor,
+    block_size: int,
+    round_column: Callable[[int, int, torch.Tensor], torch.Tensor],
+) -> None:
     """The GPTQ loop over columns (processing order). ``round_column(col, i, w_blk)`` returns
     the dequantized column ``col`` (= ``w_blk[:, i]`` rounded) and records what it chose;
     its rounding error is spread over the later columns through ``hinv``."""
@@ -125,10 +138,18 @@ def _error_feedback(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
 
 
 @torch.no_grad()
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, *,
-                  percdamp: float = 0.01, act_order: bool = True, shrink_steps: int = SHRINK_STEPS,
-                  block_size: int = BLOCK_SIZE, name: str = "weight", partial_groups: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    group_size: int,
+    *,
+    percdamp: float = 0.01,
+    act_order: bool = True,
+    shrink_steps: int = SHRINK_STEPS,
+    block_size: int = BLOCK_SIZE,
+    name: str = "weight",
+    partial_groups: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight [N, K]``, ``hessian [K, K]`` -> ``(q uint8 [N, K], scales fp32 [N, G],
     zeros uint8 [N, G])`` in the plain group layout, original column order,
     ``G = ceil(K / group_size)`` (a shorter last group with ``partial_groups``).
@@ -138,30 +159,34 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     n, k = weight.shape
     rtn.check_group_size(name, k, group_size, partial_groups)
     if block_size % group_size:
-        raise ValueError(f"GPTQ block size {block_size} is not a multiple of group_size {group_size}")
+        raise ValueError(
+            f"GPTQ block size {block_size} is not a multiple of group_size {group_size}"
+        )
     num_groups = -(-k // group_size)
     diag = torch.diag(hessian).float()
     # diag(H) per column, padded like the weights: the range search's column weights.
     h_diag = rtn.pad_to_groups(diag, group_size).reshape(num_groups, group_size)
     scales = torch.zeros(n, num_groups)
     zeros = torch.zeros(n, num_groups)
-    if act_order:       # static groups, from the unmodified weights
+    if act_order:  # static groups, from the unmodified weights
         w0 = weight.detach().float().clone()
         w0[:, diag == 0] = 0.0
         w0 = rtn.pad_to_groups(w0, group_size)
-        scales[:], zeros[:] = rtn.group_params(w0.reshape(n, num_groups, group_size), shrink_steps,
-                                               column_weights=h_diag)
+        scales[:], zeros[:] = rtn.group_params(
+            w0.reshape(n, num_groups, group_size), shrink_steps, column_weights=h_diag
+        )
     w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
-    group_of = (perm // group_size).tolist()            # group of each processed column
+    group_of = (perm // group_size).tolist()  # group of each processed column
     q = torch.zeros(n, k)
 
     def round_column(col: int, i: int, w_blk: torch.Tensor) -> torch.Tensor:
         g = group_of[col]
         if not act_order and col % group_size == 0:
             # In plain order a group starts here and lies inside this block (g | block size).
-            cols = w_blk[:, i:i + group_size]          # fewer in a shorter last group
-            scales[:, g], zeros[:, g] = rtn.group_params(cols, shrink_steps,
-                                                         column_weights=h_diag[g, :cols.shape[1]])
+            cols = w_blk[:, i : i + group_size]  # fewer in a shorter last group
+            scales[:, g], zeros[:, g] = rtn.group_params(
+                cols, shrink_steps, column_weights=h_diag[g, : cols.shape[1]]
+            )
         q[:, col] = rtn.quantize_with(w_blk[:, i], scales[:, g], zeros[:, g])
         return (q[:, col] - zeros[:, g]) * scales[:, g]
 
@@ -171,9 +196,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
 
 
 @torch.no_grad()
-def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, *, percdamp: float = 0.1,
-             act_order: bool = True, block_size: int = BLOCK_SIZE
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq_fp8(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    *,
+    percdamp: float = 0.1,
+    act_order: bool = True,
+    block_size: int = BLOCK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's error feedback onto the FP8 E4M3 grid: the per-channel scales of
     `fp8.quantize_weight_fp8` (max |w| / 448, from the unmodified weights), each weight rounded
     to E4M3 in turn with the error spread over the columns not yet rounded.
@@ -184,9 +214,10 @@ def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, *, percdamp: float = 0
     text (held-out perplexity +5% vs +2.4% at 0.1)."""
     from trtc.compiler.quantize.fp8 import quantize_weight_fp8
     from trtc.plugins.fp8_gemm.reference import to_fp8
+
     _, scale = quantize_weight_fp8(weight)
     w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
-    out = torch.zeros(w.shape)          # E4M3 values, held in fp32 (exact) while filling
+    out = torch.zeros(w.shape)  # E4M3 values, held in fp32 (exact) while filling
 
     def round_column(col: int, i: int, w_blk: torch.Tensor) -> torch.Tensor:
         out[:, col] = to_fp8(w_blk[:, i] / scale).float()
@@ -197,9 +228,11 @@ def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, *, percdamp: float = 0
 
 
 @torch.no_grad()
-def gptq_layer(layer: nn.Module, inputs: LayerInputs,
-               quantize: Callable[[str, torch.Tensor, torch.Tensor], tuple[tuple, torch.Tensor]]
-               ) -> tuple[dict[str, tuple], list[torch.Tensor]]:
+def gptq_layer(
+    layer: nn.Module,
+    inputs: LayerInputs,
+    quantize: Callable[[str, torch.Tensor, torch.Tensor], tuple[tuple, torch.Tensor]],
+) -> tuple[dict[str, tuple], list[torch.Tensor]]:
     """Quantize one decoder layer's seven Linears sequentially with
     ``quantize(path, weight, hessian) -> (quantized tensors, dequantized weight)``.
     Returns ``({path: quantized tensors}, the layer's outputs computed with its quantized
@@ -225,15 +258,19 @@ def gptq_layer(layer: nn.Module, inputs: LayerInputs,
 
 def int4_quantizer(group_size: int, **options):
     """`gptq_layer`'s ``quantize`` for INT4 (options: those of `gptq_quantize`)."""
+
     def quantize(path, weight, hessian):
         q, scales, zeros = gptq_quantize(weight, hessian, group_size, name=path, **options)
         return (q, scales, zeros), rtn.dequantize(q, scales, zeros, group_size)
+
     return quantize
 
 
 def fp8_quantizer(**options):
     """`gptq_layer`'s ``quantize`` for FP8 weights (options: those of `gptq_fp8`)."""
+
     def quantize(path, weight, hessian):
         w8, scale = gptq_fp8(weight, hessian, **options)
         return (w8, scale), w8.float() * scale[:, None]
+
     return quantize

@@ -13,6 +13,7 @@ activations larger than any the calibration text produced before they saturate; 
 same relative precision (3 mantissa bits) over its whole normal range, so the headroom costs
 only the smallest values.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ HEADROOM = 2.0
 
 
 def _pair_norm_amax(k: torch.Tensor, head_dim: int) -> float:
-    heads = k.detach().float().reshape(-1, head_dim)          # [tokens * kv_heads, D]
+    heads = k.detach().float().reshape(-1, head_dim)  # [tokens * kv_heads, D]
     half = head_dim // 2
     return float(torch.sqrt(heads[:, :half] ** 2 + heads[:, half:] ** 2).max())
 
@@ -34,8 +35,9 @@ def scale_for(amax: float) -> float:
 
 
 @torch.no_grad()
-def calibrate_kv_scales(hf_model, token_batches: list[list[int]], head_dim: int,
-                        batch_size: int = 8) -> list[tuple[float, float]]:
+def calibrate_kv_scales(
+    hf_model, token_batches: list[list[int]], head_dim: int, batch_size: int = 8
+) -> list[tuple[float, float]]:
     """``[(k_scale, v_scale)]`` per decoder layer, from one forward over the calibration set."""
     layers = decoder_layers(hf_model)
     amax = [[0.0, 0.0] for _ in layers]
@@ -48,7 +50,11 @@ def calibrate_kv_scales(hf_model, token_batches: list[list[int]], head_dim: int,
 
         def on_v(module, args, out, i=i):
             amax[i][1] = max(amax[i][1], float(out.detach().abs().max()))
-        handles += [attn.k_proj.register_forward_hook(on_k), attn.v_proj.register_forward_hook(on_v)]
+
+        handles += [
+            attn.k_proj.register_forward_hook(on_k),
+            attn.v_proj.register_forward_hook(on_v),
+        ]
     was_training = hf_model.training
     hf_model.eval()
     try:

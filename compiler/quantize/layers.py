@@ -6,6 +6,7 @@ quantized) before the next one sees its output. Decoder layers are called as tra
 calls them, with the keyword arguments (masks, rotary tables) captured from a real forward, so
 sliding-window and per-layer-type masks come out right for every architecture.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -17,22 +18,33 @@ from torch import nn
 
 # The Linear layers of a decoder layer that trtc quantizes, in execution order (transformers'
 # attribute paths; the step model uses the same names).
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 # Linears that read the same input, in execution order: one calibration capture serves a group.
-INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                ("self_attn.o_proj",),
-                ("mlp.gate_proj", "mlp.up_proj"),
-                ("mlp.down_proj",))
+INPUT_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
 
 
 def decoder_layers(hf_model) -> nn.ModuleList:
     try:
         layers = hf_model.model.layers
     except AttributeError:
-        raise ValueError(f"{type(hf_model).__name__} has no model.layers: trtc quantizes "
-                         f"Llama-style decoders (Llama, Mistral, Qwen2)") from None
+        raise ValueError(
+            f"{type(hf_model).__name__} has no model.layers: trtc quantizes "
+            f"Llama-style decoders (Llama, Mistral, Qwen2)"
+        ) from None
     for path in LINEARS:
         if not isinstance(layers[0].get_submodule(path), nn.Linear):
             raise ValueError(f"model.layers.0.{path} is not an nn.Linear")
@@ -50,8 +62,9 @@ class _Stop(Exception):
 @dataclass
 class LayerInputs:
     """What enters one decoder layer for every calibration batch."""
-    hidden: list[torch.Tensor]          # per batch [B, L, hidden], fp32
-    kwargs: list[dict]                  # per batch: the keyword arguments of the layer call
+
+    hidden: list[torch.Tensor]  # per batch [B, L, hidden], fp32
+    kwargs: list[dict]  # per batch: the keyword arguments of the layer call
 
     @property
     def num_tokens(self) -> int:
@@ -72,8 +85,9 @@ class ModelInputs:
         for chunk in chunks:
             if tuple(chunk.shape) not in self.layer_kwargs:
                 self.layer_kwargs[tuple(chunk.shape)] = self._capture_kwargs(hf_model, chunk)
-        self.first = LayerInputs([self._capture_hidden(hf_model, c) for c in chunks],
-                                 [None] * len(chunks))
+        self.first = LayerInputs(
+            [self._capture_hidden(hf_model, c) for c in chunks], [None] * len(chunks)
+        )
         self.shapes = [tuple(c.shape) for c in chunks]
 
     def for_layer(self, index: int, hidden: list[torch.Tensor]) -> LayerInputs:
@@ -87,8 +101,9 @@ class ModelInputs:
             if len(captured) == len(self.layers):
                 raise _Stop
 
-        with _hooks([layer.register_forward_pre_hook(hook, with_kwargs=True)
-                     for layer in self.layers]):
+        with _hooks(
+            [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self.layers]
+        ):
             try:
                 hf_model(input_ids=ids, use_cache=False)
             except _Stop:
@@ -129,8 +144,12 @@ def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
     return outs
 
 
-def capture_inputs(layer: nn.Module, inputs: LayerInputs, paths: tuple[str, ...],
-                   on_input: Callable[[str, torch.Tensor], None]) -> None:
+def capture_inputs(
+    layer: nn.Module,
+    inputs: LayerInputs,
+    paths: tuple[str, ...],
+    on_input: Callable[[str, torch.Tensor], None],
+) -> None:
     """Run the layer over every batch and call ``on_input(path, x [tokens, in_features] fp32)``
     with the input of each Linear in ``paths`` (per batch). The forward stops right after the
     last of them has been seen, so capturing early Linears costs little."""
@@ -142,6 +161,7 @@ def capture_inputs(layer: nn.Module, inputs: LayerInputs, paths: tuple[str, ...]
             remaining.discard(path)
             if not remaining:
                 raise _Stop
+
         return hook
 
     with _hooks([linear(layer, p).register_forward_pre_hook(make_hook(p)) for p in paths]):

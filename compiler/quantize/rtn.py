@@ -17,6 +17,7 @@ each row holds the ``K % group_size`` remaining columns (the Int4Gemm rule). The
 work on rows zero-padded to whole groups (`pad_to_groups`): a zero weight changes neither a
 group's range (which always holds 0) nor, quantized exactly to the zero point, any error sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,11 +28,15 @@ from trtc.plugins.int4_gemm.reference import dequantize_unpacked, num_groups
 MAXQ = 15
 
 
-def check_group_size(name: str, in_features: int, group_size: int, partial_groups: bool = False) -> None:
+def check_group_size(
+    name: str, in_features: int, group_size: int, partial_groups: bool = False
+) -> None:
     if group_size <= 0 or (in_features % group_size and not partial_groups):
-        raise ValueError(f"{name}: in_features {in_features} is not a multiple of group_size "
-                         f"{group_size}; choose a group_size that divides it, or allow a shorter "
-                         f"last group (partial_groups)")
+        raise ValueError(
+            f"{name}: in_features {in_features} is not a multiple of group_size "
+            f"{group_size}; choose a group_size that divides it, or allow a shorter "
+            f"last group (partial_groups)"
+        )
     if in_features % 2:
         raise ValueError(f"{name}: in_features {in_features} is odd; INT4 packs two columns a byte")
 
@@ -49,8 +54,12 @@ def _range_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, tor
     return scale, zero
 
 
-def group_params(w: torch.Tensor, shrink_steps: int = 0, norm: float = 2.4,
-                 column_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(
+    w: torch.Tensor,
+    shrink_steps: int = 0,
+    norm: float = 2.4,
+    column_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., g]`` -> fp32 ``(scale [...], zero [...])`` of each row of ``g`` weights.
 
     ``shrink_steps > 0``: also try the range shrunk by 1%, 2%, ... (``shrink_steps`` of them)
@@ -85,8 +94,9 @@ def quantize_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, MAXQ)
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int, name: str = "weight", *,
-                 partial_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rtn(
+    weight: torch.Tensor, group_size: int, name: str = "weight", *, partial_groups: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` -> ``(q uint8 [N, K] 0..15, scales fp32 [N, G], zeros uint8 [N, G])``,
     ``G = ceil(K / group_size)``."""
     n, k = weight.shape

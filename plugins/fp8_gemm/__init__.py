@@ -1,11 +1,13 @@
 """The `trtc::Fp8Gemm` plugin: its ONNX signature, the torch entry point and a Linear module
 that calls it."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from trtc.plugins.fp8_gemm.reference import E4M3_MAX, fp8_gemm as reference, to_fp8
+from trtc.plugins.fp8_gemm.reference import E4M3_MAX, to_fp8
+from trtc.plugins.fp8_gemm.reference import fp8_gemm as reference
 from trtc.plugins.spec import PluginSpec
 
 SPEC = PluginSpec(
@@ -15,25 +17,38 @@ SPEC = PluginSpec(
     outputs=("y",),
     attributes={"in_features": int, "out_features": int},
     doc="FP8 E4M3 GEMM: y = (fp8(x / input_scale) * input_scale) @ (weight * "
-        "weight_scale[:, None]).T + bias in fp32, returned in x's dtype; fp8() saturates to "
-        "+-448; weight float8_e4m3fn [N, K]; weight_scale fp32 [N] (per output channel); "
-        "input_scale fp32 [] (per tensor, static); bias [N] optional (omitted when absent)",
+    "weight_scale[:, None]).T + bias in fp32, returned in x's dtype; fp8() saturates to "
+    "+-448; weight float8_e4m3fn [N, K]; weight_scale fp32 [N] (per output channel); "
+    "input_scale fp32 [] (per tensor, static); bias [N] optional (omitted when absent)",
 )
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             input_scale: torch.Tensor, bias: torch.Tensor | None = None, *, in_features: int,
-             out_features: int) -> torch.Tensor:
+def fp8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
     """Under ONNX export: one plugin node (without ``bias`` if None). Eager: `cuda.fp8_gemm`
     on CUDA tensors (``torch._scaled_mm`` where the GPU has FP8), the reference otherwise."""
     attrs = dict(in_features=in_features, out_features=out_features)
     if torch.onnx.is_in_onnx_export():
         inputs = [x, weight, weight_scale, input_scale] + ([bias] if bias is not None else [])
         return torch.onnx.ops.symbolic(
-            SPEC.qualified_name, inputs, attrs, dtype=x.dtype,
-            shape=(*x.shape[:-1], out_features), version=SPEC.version)
+            SPEC.qualified_name,
+            inputs,
+            attrs,
+            dtype=x.dtype,
+            shape=(*x.shape[:-1], out_features),
+            version=SPEC.version,
+        )
     if x.is_cuda:
         from trtc.plugins.fp8_gemm.cuda import fp8_gemm as on_gpu
+
         return on_gpu(x, weight, weight_scale, input_scale, bias, **attrs)
     return reference(x, weight, weight_scale, input_scale, bias, **attrs)
 
@@ -44,8 +59,13 @@ class Fp8Linear(nn.Module):
 
     _fixed_dtype = ("weight", "weight_scale", "input_scale")
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 input_scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)
@@ -62,13 +82,21 @@ class Fp8Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_gemm(x, self.weight, self.weight_scale, self.input_scale,
-                        None if self.bias is None else self.bias.to(x.dtype),
-                        in_features=self.in_features, out_features=self.out_features)
+        return fp8_gemm(
+            x,
+            self.weight,
+            self.weight_scale,
+            self.input_scale,
+            None if self.bias is None else self.bias.to(x.dtype),
+            in_features=self.in_features,
+            out_features=self.out_features,
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 __all__ = ["E4M3_MAX", "SPEC", "Fp8Linear", "fp8_gemm", "to_fp8"]

@@ -21,25 +21,29 @@ runs the reference itself on the GPU: dequantize both operands to fp32 and matmu
 as slow as an fp32 GEMM). The launch depends on shapes only (no host syncs), so a decode step
 can be captured in a CUDA graph once the first call has picked the recipe.
 """
+
 from __future__ import annotations
 
 import functools
 
 import torch
 
-from trtc.plugins.fp8_gemm.reference import check_shapes, fp8_gemm as reference, to_fp8
+from trtc.plugins.fp8_gemm.reference import check_shapes, to_fp8
+from trtc.plugins.fp8_gemm.reference import fp8_gemm as reference
 
 ROWWISE_NATIVE, ROWWISE_FP32, TENSORWISE_FP32 = "rowwise", "rowwise-fp32", "tensorwise-fp32"
 RECIPES = (ROWWISE_NATIVE, ROWWISE_FP32, TENSORWISE_FP32)
-_recipe: dict[tuple, str | None] = {}        # (device index, x dtype, has bias) -> recipe
+_recipe: dict[tuple, str | None] = {}  # (device index, x dtype, has bias) -> recipe
 _ones: dict[torch.device, torch.Tensor] = {}
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
-    return _has_fp8_matmul(device.index if device.index is not None else torch.cuda.current_device())
+    return _has_fp8_matmul(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_fp8_matmul(device_index: int) -> bool:
     return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device_index) >= (8, 9)
 
@@ -65,33 +69,65 @@ def _one(device: torch.device) -> torch.Tensor:
 def _scaled_mm(recipe: str, x_q, weight, weight_scale, input_scale, bias, out_dtype):
     """One recipe: ``y`` in ``out_dtype`` (bias included), or an exception if refused."""
     tokens = x_q.shape[0]
-    w_t = weight.t()                                   # [K, N] column-major, as cuBLASLt wants
+    w_t = weight.t()  # [K, N] column-major, as cuBLASLt wants
     s_in = input_scale.float().reshape(1, 1)
     s_w = weight_scale.float().reshape(1, -1).contiguous()
     if recipe == ROWWISE_NATIVE:
-        return torch._scaled_mm(x_q, w_t, s_in.expand(tokens, 1).contiguous(), s_w,
-                                bias=None if bias is None else bias.to(out_dtype),
-                                out_dtype=out_dtype, use_fast_accum=False)
+        return torch._scaled_mm(
+            x_q,
+            w_t,
+            s_in.expand(tokens, 1).contiguous(),
+            s_w,
+            bias=None if bias is None else bias.to(out_dtype),
+            out_dtype=out_dtype,
+            use_fast_accum=False,
+        )
     if recipe == ROWWISE_FP32:
-        y = torch._scaled_mm(x_q, w_t, s_in.expand(tokens, 1).contiguous(), s_w,
-                             out_dtype=torch.float32, use_fast_accum=False)
+        y = torch._scaled_mm(
+            x_q,
+            w_t,
+            s_in.expand(tokens, 1).contiguous(),
+            s_w,
+            out_dtype=torch.float32,
+            use_fast_accum=False,
+        )
     else:
-        y = torch._scaled_mm(x_q, w_t, s_in.reshape(()), _one(x_q.device),
-                             out_dtype=torch.float32, use_fast_accum=False)
+        y = torch._scaled_mm(
+            x_q,
+            w_t,
+            s_in.reshape(()),
+            _one(x_q.device),
+            out_dtype=torch.float32,
+            use_fast_accum=False,
+        )
         y = y * s_w
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             input_scale: torch.Tensor, bias: torch.Tensor | None = None, *, in_features: int,
-             out_features: int) -> torch.Tensor:
+def fp8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
     """``y [..., N]`` per the module docstring, for CUDA tensors."""
     check_shapes(x, weight, weight_scale, input_scale, bias, in_features, out_features)
     if not uses_scaled_mm(x, weight):
-        return reference(x, weight, weight_scale, input_scale, bias, in_features=in_features,
-                         out_features=out_features)
+        return reference(
+            x,
+            weight,
+            weight_scale,
+            input_scale,
+            bias,
+            in_features=in_features,
+            out_features=out_features,
+        )
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], out_features)
@@ -103,11 +139,18 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         try:
             y = _scaled_mm(recipe, x_q, weight, weight_scale, input_scale, bias, x.dtype)
         except (RuntimeError, ValueError, NotImplementedError, TypeError):
-            continue                 # this torch build refuses the recipe: try the next one
+            continue  # this torch build refuses the recipe: try the next one
         _recipe.setdefault(key, recipe)
         return y.view(*x.shape[:-1], out_features)
-    return reference(x, weight, weight_scale, input_scale, bias, in_features=in_features,
-                     out_features=out_features)
+    return reference(
+        x,
+        weight,
+        weight_scale,
+        input_scale,
+        bias,
+        in_features=in_features,
+        out_features=out_features,
+    )
 
 
 def recipe_for(x: torch.Tensor, bias: torch.Tensor | None) -> str | None:

@@ -24,6 +24,7 @@ Semantics, computed in fp32 and returned in x's dtype::
 Saturation (not NaN or inf) for out-of-range activations is part of the contract: a token
 whose activations exceed the calibrated range is clipped, as every FP8 GEMM library does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,22 +37,36 @@ def to_fp8(v: torch.Tensor) -> torch.Tensor:
     return v.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def check_shapes(x, weight, weight_scale, input_scale, bias, in_features: int,
-                 out_features: int) -> None:
+def check_shapes(
+    x, weight, weight_scale, input_scale, bias, in_features: int, out_features: int
+) -> None:
     k, n = in_features, out_features
-    if x.shape[-1] != k or tuple(weight.shape) != (n, k) or tuple(weight_scale.shape) != (n,) \
-            or input_scale.numel() != 1 or (bias is not None and tuple(bias.shape) != (n,)):
+    if (
+        x.shape[-1] != k
+        or tuple(weight.shape) != (n, k)
+        or tuple(weight_scale.shape) != (n,)
+        or input_scale.numel() != 1
+        or (bias is not None and tuple(bias.shape) != (n,))
+    ):
         raise ValueError(
             f"Fp8Gemm: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, weight_scale "
             f"{tuple(weight_scale.shape)}, input_scale {tuple(input_scale.shape)}, bias "
-            f"{None if bias is None else tuple(bias.shape)} do not fit K={k}, N={n}")
+            f"{None if bias is None else tuple(bias.shape)} do not fit K={k}, N={n}"
+        )
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"Fp8Gemm: weight must be float8_e4m3fn, got {weight.dtype}")
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             input_scale: torch.Tensor, bias: torch.Tensor | None = None, *, in_features: int,
-             out_features: int) -> torch.Tensor:
+def fp8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
     """``y [T, N]`` per the module docstring, in fp32, returned in x's dtype."""
     check_shapes(x, weight, weight_scale, input_scale, bias, in_features, out_features)
     s_in = input_scale.float().reshape(())

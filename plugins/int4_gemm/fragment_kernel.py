@@ -1,7 +1,7 @@
 """`trtc::Int4Gemm` for decode steps of 1..16 tokens on the matrix units, from registers: the
 "fragment" kernel. Semantics are the reference's (`reference.py`); the weight is read in a
 layout made for it at load time (`fragment_pack`), not the plugin's ``[N, K/2]`` bytes. The
-CUDA executor holds that layout instead of the plugin's (runtime/fusion.py), so calls of more
+CUDA executor holds that layout instead of the plugin's (runtime/executors/fusion.py), so calls of more
 than 16 tokens read it too: `fragment_matmul` dequantizes the layer (`fragment_dequantize`)
 and multiplies with cuBLAS.
 
@@ -51,6 +51,7 @@ the asm being executed by the whole warp at once (mma.sync is warp-wide). Triton
 a portable version of the same loads and arithmetic (``ASM=False``); the tests also run the PTX
 itself in a numpy emulator of one warp (tests/ptx_emulator.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,13 +61,13 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.plugins import pdl
 from trtc.plugins.int4_gemm.reference import unpack_int4
 from trtc.plugins.int4_gemm.triton_kernels import _interpreting
+from trtc.plugins.kernels import pdl
 
-TILE_ROWS = 16          # an mma's M
-STEP_COLS = 16          # an mma's K
-MAX_TOKENS = 16         # two mma's of N = 8 a step
+TILE_ROWS = 16  # an mma's M
+STEP_COLS = 16  # an mma's K
+MAX_TOKENS = 16  # two mma's of N = 8 a step
 GROUP_SIZES = (64, 128, 256)
 
 
@@ -75,6 +76,7 @@ class FragmentWeight:
     """One Int4Gemm weight in the fragment layout (module docstring): ``words`` int32 ``[N/16,
     K/64, 32, 4]``, ``records`` ``[N/16, G, 8, 4]`` in the activations' dtype (fp16 or bf16);
     plus the layer's shape."""
+
     words: torch.Tensor
     records: torch.Tensor
     out_features: int
@@ -108,13 +110,15 @@ def fragment_supports(out_features: int, in_features: int, group_size: int) -> s
         return f"out_features {out_features} is not a multiple of {TILE_ROWS}"
     if group_size not in GROUP_SIZES:
         return f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}"
-    if in_features % group_size:            # the group sizes are multiples of 64
+    if in_features % group_size:  # the group sizes are multiples of 64
         return f"in_features {in_features} is not a multiple of the group size {group_size}"
     steps = lane_steps(in_features, group_size, MAX_WARPS_K)
     if steps > LANE_STEPS:
-        return (f"in_features {in_features} is too long: a lane would hold {steps} steps of a "
-                f"tile's weight at {MAX_WARPS_K} warps a tile (at most {LANE_STEPS} fit in its "
-                f"registers)")
+        return (
+            f"in_features {in_features} is too long: a lane would hold {steps} steps of a "
+            f"tile's weight at {MAX_WARPS_K} warps a tile (at most {LANE_STEPS} fit in its "
+            f"registers)"
+        )
     return None
 
 
@@ -134,8 +138,9 @@ def lane_steps(in_features: int, group_size: int, warps_k: int) -> int:
     return -(-groups // warps_k) * (group_size // STEP_COLS)
 
 
-def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int) -> FragmentWeight:
+def fragment_pack(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> FragmentWeight:
     """The plugin's ``qweight [N, K/2]``, ``scales [N, G]`` (fp16 or bf16: the activations'
     dtype), ``zeros [N, G]`` in the fragment layout (on their device; torch ops, a load-time
     step)."""
@@ -144,35 +149,44 @@ def fragment_pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     if why:
         raise ValueError(f"Int4Gemm fragment layout: {why}")
     if scales.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"Int4Gemm fragment layout: scales must be fp16 or bf16 (the "
-                         f"activations' dtype), got {scales.dtype}")
+        raise ValueError(
+            f"Int4Gemm fragment layout: scales must be fp16 or bf16 (the "
+            f"activations' dtype), got {scales.dtype}"
+        )
     tiles, blocks = n // TILE_ROWS, k // 64
     words = torch.empty((tiles, blocks, 32, 4), dtype=torch.int32, device=qweight.device)
     # 2**24 weights at a time: the unpacked nibbles of a whole layer would take 8x its bytes.
     chunk = max(1, (1 << 24) // (TILE_ROWS * k))
     for r0 in range(0, tiles, chunk):
         r1 = min(tiles, r0 + chunk)
-        q = unpack_int4(qweight[r0 * TILE_ROWS:r1 * TILE_ROWS]).to(torch.int32)   # [rows, K]
+        q = unpack_int4(qweight[r0 * TILE_ROWS : r1 * TILE_ROWS]).to(torch.int32)  # [rows, K]
         # row = 16 r + 8 hb + g, col = 64 b + 16 c + 4 u + 2 kh + kl; nibble m = hb + 2 kh + 4 kl
         q = q.view(r1 - r0, 2, 8, blocks, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
-        q = q.reshape(r1 - r0, blocks, 8, 4, 4, 8)                   # r b g c u m
+        q = q.reshape(r1 - r0, blocks, 8, 4, 4, 8)  # r b g c u m
         word = q[..., 0]
-        for m in range(1, 8):                   # disjoint bits: int32 wraps into the sign bit
+        for m in range(1, 8):  # disjoint bits: int32 wraps into the sign bit
             word = word | (q[..., m] << (4 * m))
-        words[r0:r1] = word.view(r1 - r0, blocks, 32, 4)             # [r, b, lane, u]
-    z = zeros.to(torch.float32).view(tiles, 2, 8, -1)                 # [r, hb, g, G]
+        words[r0:r1] = word.view(r1 - r0, blocks, 32, 4)  # [r, b, lane, u]
+    z = zeros.to(torch.float32).view(tiles, 2, 8, -1)  # [r, hb, g, G]
     s = scales.to(torch.float32).view(tiles, 2, 8, -1)
     # The dequantization's offsets (exact in either dtype), then both rows' scales.
     lo, hi = (128.0, 128.0) if scales.dtype == torch.bfloat16 else (1024.0, 64.0)
     records = torch.stack((-(lo + z[:, 0]), -(hi + z[:, 1]), s[:, 0], s[:, 1]), dim=-1)
-    records = records.permute(0, 2, 1, 3).to(scales.dtype).contiguous()   # [r, G, g, 4]
+    records = records.permute(0, 2, 1, 3).to(scales.dtype).contiguous()  # [r, G, g, 4]
     return FragmentWeight(words, records, n, k, group_size)
 
 
 # --- the PTX of one warp's share ------------------------------------------------------------
 
-def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
-              evict_first: bool = False, bf16: bool = False) -> str:
+
+def _warp_asm(
+    chunk: int,
+    steps_per_group: int,
+    two_mma: bool,
+    pdl_on: bool,
+    evict_first: bool = False,
+    bf16: bool = False,
+) -> str:
     """The inline PTX of one lane: load its words and records (``chunk`` groups of
     ``steps_per_group`` 16-column steps; group ``i`` only if ``i < nvalid``), let the next kernel
     launch and wait for the previous one (PDL), then per group: x's B fragments (two 16-byte
@@ -191,18 +205,20 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
     steps = chunk * spg
     xs = 2 if two_mma else 1
     ab = "bf16" if bf16 else "f16"
-    lines = ["{",
-             f".reg .pred p<{chunk}>;",
-             f".reg .b32 w<{steps}>;",
-             f".reg .b32 rz<{chunk}>, rs<{chunk}>;",
-             f".reg .b32 x<{steps * 2 * xs}>;",
-             ".reg .b64 xg, xh;",
-             ".reg .b32 t, a0, a1, a2, a3, olo, ohi, c16, sb;",
-             ".reg .b16 sl, sh;",
-             ".reg .f32 d<8>, acc<8>, fl, fh, zero;",
-             # fp16: 1/16 in both halves (the high nibbles); bf16: 1.0 (an fma adds the offset)
-             f"mov.b32 c16, {'0x3F803F80' if bf16 else '0x2C002C00'};",
-             "mov.f32 zero, 0f00000000;"]
+    lines = [
+        "{",
+        f".reg .pred p<{chunk}>;",
+        f".reg .b32 w<{steps}>;",
+        f".reg .b32 rz<{chunk}>, rs<{chunk}>;",
+        f".reg .b32 x<{steps * 2 * xs}>;",
+        ".reg .b64 xg, xh;",
+        ".reg .b32 t, a0, a1, a2, a3, olo, ohi, c16, sb;",
+        ".reg .b16 sl, sh;",
+        ".reg .f32 d<8>, acc<8>, fl, fh, zero;",
+        # fp16: 1/16 in both halves (the high nibbles); bf16: 1.0 (an fma adds the offset)
+        f"mov.b32 c16, {'0x3F803F80' if bf16 else '0x2C002C00'};",
+        "mov.f32 zero, 0f00000000;",
+    ]
     for j in range(outs):
         lines.append(f"mov.f32 acc{j}, 0f00000000;")
     for i in range(chunk):
@@ -218,9 +234,11 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
         lines += [".reg .b64 policy;", "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;"]
         hint, policy = ".L2::cache_hint", ", policy"
     for s0 in range(0, steps, 4):
-        lines.append(f"@p{s0 // spg} ld.global.nc.L1::no_allocate{hint}.v4.b32 "
-                     f"{{w{s0}, w{s0 + 1}, w{s0 + 2}, w{s0 + 3}}}, [${a_w}+{s0 // 4 * 512}]"
-                     f"{policy};")
+        lines.append(
+            f"@p{s0 // spg} ld.global.nc.L1::no_allocate{hint}.v4.b32 "
+            f"{{w{s0}, w{s0 + 1}, w{s0 + 2}, w{s0 + 3}}}, [${a_w}+{s0 // 4 * 512}]"
+            f"{policy};"
+        )
     for i in range(chunk):
         lines.append(f"@p{i} ld.global.nc.v2.b32 {{rz{i}, rs{i}}}, [${a_r}+{i * 64}];")
     if pdl_on:
@@ -231,57 +249,65 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
         # record is zero).
         out = []
         for h, base in enumerate([f"${a_x}"] + ([f"${a_x2}"] if two_mma else [])):
-            out += [f"add.s64 xg, {base}, {i * spg * 32};",
-                    f"selp.b64 xh, xg, {base}, p{i};"]
+            out += [f"add.s64 xg, {base}, {i * spg * 32};", f"selp.b64 xh, xg, {base}, p{i};"]
             for s0 in range(i * spg, (i + 1) * spg, 4):
                 off = (s0 - i * spg) * 32
                 r = (h * steps + s0) * 2
-                out += [f"ld.global.v4.b32 {{x{r}, x{r + 1}, x{r + 2}, x{r + 3}}}, [xh+{off}];",
-                        f"ld.global.v4.b32 {{x{r + 4}, x{r + 5}, x{r + 6}, x{r + 7}}}, "
-                        f"[xh+{off + 16}];"]
+                out += [
+                    f"ld.global.v4.b32 {{x{r}, x{r + 1}, x{r + 2}, x{r + 3}}}, [xh+{off}];",
+                    f"ld.global.v4.b32 {{x{r + 4}, x{r + 5}, x{r + 6}, x{r + 7}}}, "
+                    f"[xh+{off + 16}];",
+                ]
         return out
 
     lines += load_x(0)
     for i in range(chunk):
         if i + 1 < chunk:
             lines += load_x(i + 1)
-        lines += [f"prmt.b32 olo, rz{i}, 0, 0x1010;",
-                  f"prmt.b32 ohi, rz{i}, 0, 0x3232;"]
+        lines += [f"prmt.b32 olo, rz{i}, 0, 0x1010;", f"prmt.b32 ohi, rz{i}, 0, 0x3232;"]
         for u in range(spg):
             s = i * spg + u
             first = u == 0
-            if bf16:         # nibble m of the word: shifted down to bits 0-3 / 16-19 first
+            if bf16:  # nibble m of the word: shifted down to bits 0-3 / 16-19 first
                 for r, shift in enumerate((0, 4, 8, 12)):
                     src = f"w{s}"
                     if shift:
                         lines.append(f"shr.b32 t, w{s}, {shift};")
                         src = "t"
-                    lines += [f"lop3.b32 a{r}, {src}, 0x000F000F, 0x43004300, 0xEA;",
-                              f"fma.rn.bf16x2 a{r}, a{r}, c16, {'ohi' if r % 2 else 'olo'};"]
+                    lines += [
+                        f"lop3.b32 a{r}, {src}, 0x000F000F, 0x43004300, 0xEA;",
+                        f"fma.rn.bf16x2 a{r}, a{r}, c16, {'ohi' if r % 2 else 'olo'};",
+                    ]
             else:
-                lines += [f"lop3.b32 a0, w{s}, 0x000F000F, 0x64006400, 0xEA;",
-                          f"lop3.b32 a1, w{s}, 0x00F000F0, 0x64006400, 0xEA;",
-                          f"shr.b32 t, w{s}, 8;",
-                          f"lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA;",
-                          f"lop3.b32 a3, t, 0x00F000F0, 0x64006400, 0xEA;",
-                          "add.f16x2 a0, a0, olo;",
-                          "fma.rn.f16x2 a1, a1, c16, ohi;",
-                          "add.f16x2 a2, a2, olo;",
-                          "fma.rn.f16x2 a3, a3, c16, ohi;"]
+                lines += [
+                    f"lop3.b32 a0, w{s}, 0x000F000F, 0x64006400, 0xEA;",
+                    f"lop3.b32 a1, w{s}, 0x00F000F0, 0x64006400, 0xEA;",
+                    f"shr.b32 t, w{s}, 8;",
+                    "lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA;",
+                    "lop3.b32 a3, t, 0x00F000F0, 0x64006400, 0xEA;",
+                    "add.f16x2 a0, a0, olo;",
+                    "fma.rn.f16x2 a1, a1, c16, ohi;",
+                    "add.f16x2 a2, a2, olo;",
+                    "fma.rn.f16x2 a3, a3, c16, ohi;",
+                ]
             for h in range(xs):
                 d = f"d{4 * h}, d{4 * h + 1}, d{4 * h + 2}, d{4 * h + 3}"
                 acc_in = "zero, zero, zero, zero" if first else d
                 r = (h * steps + s) * 2
-                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
-                             f"{{{d}}}, {{a0, a1, a2, a3}}, {{x{r}, x{r + 1}}}, {{{acc_in}}};")
+                lines.append(
+                    f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+                    f"{{{d}}}, {{a0, a1, a2, a3}}, {{x{r}, x{r + 1}}}, {{{acc_in}}};"
+                )
         # d0, d1 (and d4, d5): row g; d2, d3 (d6, d7): row g + 8.
-        if bf16:           # a bf16 is the upper half of an fp32
-            lines += [f"shl.b32 sb, rs{i}, 16;", "mov.b32 fl, sb;",
-                      f"and.b32 sb, rs{i}, 0xFFFF0000;", "mov.b32 fh, sb;"]
+        if bf16:  # a bf16 is the upper half of an fp32
+            lines += [
+                f"shl.b32 sb, rs{i}, 16;",
+                "mov.b32 fl, sb;",
+                f"and.b32 sb, rs{i}, 0xFFFF0000;",
+                "mov.b32 fh, sb;",
+            ]
         else:
-            lines += [f"mov.b32 {{sl, sh}}, rs{i};",
-                      "cvt.f32.f16 fl, sl;",
-                      "cvt.f32.f16 fh, sh;"]
+            lines += [f"mov.b32 {{sl, sh}}, rs{i};", "cvt.f32.f16 fl, sl;", "cvt.f32.f16 fh, sh;"]
         for j in range(outs):
             lines.append(f"fma.rn.f32 acc{j}, d{j}, {'fl' if j % 4 < 2 else 'fh'}, acc{j};")
     for j in range(outs):
@@ -291,14 +317,30 @@ def _warp_asm(chunk: int, steps_per_group: int, two_mma: bool, pdl_on: bool,
 
 
 @triton.jit
-def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid, T, K, G,
-                   HB: tl.constexpr, TOK_OFF: tl.constexpr, CHUNK: tl.constexpr,
-                   SPG: tl.constexpr, BF16: tl.constexpr):
+def _portable_sums(
+    words_ptr,
+    records_ptr,
+    x_ptr,
+    tile_c,
+    step0,
+    kc,
+    g,
+    c,
+    nvalid,
+    T,
+    K,
+    G,
+    HB: tl.constexpr,
+    TOK_OFF: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPG: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """What the asm leaves in a lane's accumulators for row ``g + 8 HB`` and the tokens ``2c +
     TOK_OFF`` and ``+ 1``, in portable Triton (Triton's CPU interpreter): the mma's sum over a
     step's 16 columns written out from the four lanes (g, 0..3) that hold them."""
-    cq = tl.arange(0, 4)                                   # the lanes c' of row g's columns
-    khl = tl.arange(0, 4)                                  # (kh, kl) = (j // 2, j % 2)
+    cq = tl.arange(0, 4)  # the lanes c' of row g's columns
+    khl = tl.arange(0, 4)  # (kh, kl) = (j // 2, j % 2)
     shift = 4 * (HB + 2 * (khl // 2) + 4 * (khl % 2))
     tok_a = tl.minimum(2 * c + TOK_OFF, T - 1)
     tok_b = tl.minimum(2 * c + TOK_OFF + 1, T - 1)
@@ -313,19 +355,33 @@ def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvali
         dot_a = tl.zeros(g.shape, dtype=tl.float32)
         dot_b = tl.zeros(g.shape, dtype=tl.float32)
         for u in range(SPG):
-            s = step0 + gi * SPG + u                       # the 16-column step
+            s = step0 + gi * SPG + u  # the 16-column step
             blk = s // 4
-            word = tl.load(words_ptr + (((tile_c.to(tl.int64) * (K // 64) + blk) * 32
-                                         + 4 * g) * 4 + s % 4)[:, None] + (cq * 4)[None, :],
-                           mask=ok[:, None], other=0)      # [THREADS, c']
+            word = tl.load(
+                words_ptr
+                + (((tile_c.to(tl.int64) * (K // 64) + blk) * 32 + 4 * g) * 4 + s % 4)[:, None]
+                + (cq * 4)[None, :],
+                mask=ok[:, None],
+                other=0,
+            )  # [THREADS, c']
             q = (word[:, :, None] >> shift[None, None, :]) & 0xF
-            w = q.to(tl.float32) + offset[:, None, None]                 # q - z
-            col = ((blk * 64 + 4 * (s % 4))[:, None, None] + 16 * cq[None, :, None]
-                   + 2 * (khl // 2)[None, None, :] + (khl % 2)[None, None, :])
-            xa = tl.load(x_ptr + tok_a[:, None, None].to(tl.int64) * K + col,
-                         mask=ok[:, None, None], other=0.0).to(tl.float32)
-            xb = tl.load(x_ptr + tok_b[:, None, None].to(tl.int64) * K + col,
-                         mask=ok[:, None, None], other=0.0).to(tl.float32)
+            w = q.to(tl.float32) + offset[:, None, None]  # q - z
+            col = (
+                (blk * 64 + 4 * (s % 4))[:, None, None]
+                + 16 * cq[None, :, None]
+                + 2 * (khl // 2)[None, None, :]
+                + (khl % 2)[None, None, :]
+            )
+            xa = tl.load(
+                x_ptr + tok_a[:, None, None].to(tl.int64) * K + col,
+                mask=ok[:, None, None],
+                other=0.0,
+            ).to(tl.float32)
+            xb = tl.load(
+                x_ptr + tok_b[:, None, None].to(tl.int64) * K + col,
+                mask=ok[:, None, None],
+                other=0.0,
+            ).to(tl.float32)
             dot_a += tl.sum(tl.sum(w * xa, axis=2), axis=1)
             dot_b += tl.sum(tl.sum(w * xb, axis=2), axis=1)
         sum_a += dot_a * scale
@@ -334,15 +390,32 @@ def _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvali
 
 
 @triton.jit(do_not_specialize=["T"])
-def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
-                   TILES: tl.constexpr, WARPS_K: tl.constexpr, CHUNK: tl.constexpr,
-                   SPG: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr, ASM_TEXT: tl.constexpr,
-                   CONSTRAINTS: tl.constexpr, PDL: tl.constexpr):
+def _int4_fragment(
+    x_ptr,
+    words_ptr,
+    records_ptr,
+    bias_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    G,
+    TILES: tl.constexpr,
+    WARPS_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPG: tl.constexpr,
+    TWO: tl.constexpr,
+    BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ASM: tl.constexpr,
+    ASM_TEXT: tl.constexpr,
+    CONSTRAINTS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
     tensor here has one element a thread: ``i = 32 * warp + lane``."""
     THREADS: tl.constexpr = TILES * WARPS_K * 32
-    PER: tl.constexpr = 8 if TWO else 4                  # accumulators a lane
+    PER: tl.constexpr = 8 if TWO else 4  # accumulators a lane
     i = tl.arange(0, THREADS)
     lane = i % 32
     warp = i // 32
@@ -353,7 +426,7 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
     tiles = N // 16
     tile_ok = tile < tiles
     tile_c = tl.where(tile_ok, tile, 0)
-    step0 = kc * (CHUNK * SPG)                           # the warp's first 16-column step
+    step0 = kc * (CHUNK * SPG)  # the warp's first 16-column step
     nvalid = tl.where(tile_ok, tl.minimum(tl.maximum(G - kc * CHUNK, 0), CHUNK), 0)
     if ASM:
         # words [tiles, K/64, 32, 4] int32: this lane's 16 bytes of steps step0 .. step0 + 3
@@ -372,23 +445,101 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
             tok2 = tl.minimum(g + 8, T - 1)
             xbase2 = (x_ptr + tok2.to(tl.int64) * K + col0).to(tl.int64)
             acc = tl.inline_asm_elementwise(
-                ASM_TEXT, CONSTRAINTS, [wbase, rbase, xbase, xbase2, nvalid],
-                dtype=(tl.float32,) * PER, is_pure=False, pack=1)
+                ASM_TEXT,
+                CONSTRAINTS,
+                [wbase, rbase, xbase, xbase2, nvalid],
+                dtype=(tl.float32,) * PER,
+                is_pure=False,
+                pack=1,
+            )
         else:
             acc = tl.inline_asm_elementwise(
-                ASM_TEXT, CONSTRAINTS, [wbase, rbase, xbase, nvalid],
-                dtype=(tl.float32,) * PER, is_pure=False, pack=1)
+                ASM_TEXT,
+                CONSTRAINTS,
+                [wbase, rbase, xbase, nvalid],
+                dtype=(tl.float32,) * PER,
+                is_pure=False,
+                pack=1,
+            )
     else:
         pdl.begin(PDL)
-        a0, a1 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
-                                T, K, G, 0, 0, CHUNK, SPG, BF16)
-        a2, a3 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c, nvalid,
-                                T, K, G, 1, 0, CHUNK, SPG, BF16)
+        a0, a1 = _portable_sums(
+            words_ptr,
+            records_ptr,
+            x_ptr,
+            tile_c,
+            step0,
+            kc,
+            g,
+            c,
+            nvalid,
+            T,
+            K,
+            G,
+            0,
+            0,
+            CHUNK,
+            SPG,
+            BF16,
+        )
+        a2, a3 = _portable_sums(
+            words_ptr,
+            records_ptr,
+            x_ptr,
+            tile_c,
+            step0,
+            kc,
+            g,
+            c,
+            nvalid,
+            T,
+            K,
+            G,
+            1,
+            0,
+            CHUNK,
+            SPG,
+            BF16,
+        )
         if TWO:
-            a4, a5 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
-                                    nvalid, T, K, G, 0, 8, CHUNK, SPG, BF16)
-            a6, a7 = _portable_sums(words_ptr, records_ptr, x_ptr, tile_c, step0, kc, g, c,
-                                    nvalid, T, K, G, 1, 8, CHUNK, SPG, BF16)
+            a4, a5 = _portable_sums(
+                words_ptr,
+                records_ptr,
+                x_ptr,
+                tile_c,
+                step0,
+                kc,
+                g,
+                c,
+                nvalid,
+                T,
+                K,
+                G,
+                0,
+                8,
+                CHUNK,
+                SPG,
+                BF16,
+            )
+            a6, a7 = _portable_sums(
+                words_ptr,
+                records_ptr,
+                x_ptr,
+                tile_c,
+                step0,
+                kc,
+                g,
+                c,
+                nvalid,
+                T,
+                K,
+                G,
+                1,
+                8,
+                CHUNK,
+                SPG,
+                BF16,
+            )
             acc = (a0, a1, a2, a3, a4, a5, a6, a7)
         else:
             acc = (a0, a1, a2, a3)
@@ -398,14 +549,34 @@ def _int4_fragment(x_ptr, words_ptr, records_ptr, bias_ptr, y_ptr, T, N, K, G,
     row_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None] * 16 + (lane_t // 4)[None, :]
     tok_t = 2 * (lane_t % 4)[None, :]
     for m in tl.static_range(PER):
-        _store_acc(acc[m], row_t + 8 * ((m % 4) // 2), tok_t + m % 2 + 8 * (m // 4), T, N,
-                   bias_ptr, y_ptr, TILES, WARPS_K, HAS_BIAS)
+        _store_acc(
+            acc[m],
+            row_t + 8 * ((m % 4) // 2),
+            tok_t + m % 2 + 8 * (m // 4),
+            T,
+            N,
+            bias_ptr,
+            y_ptr,
+            TILES,
+            WARPS_K,
+            HAS_BIAS,
+        )
 
 
 @triton.jit
-def _store_acc(acc, row, tok, T, N, bias_ptr, y_ptr, TILES: tl.constexpr, WARPS_K: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
-    total = tl.sum(tl.reshape(acc, (TILES, WARPS_K, 32)), axis=1)       # [TILES, 32]
+def _store_acc(
+    acc,
+    row,
+    tok,
+    T,
+    N,
+    bias_ptr,
+    y_ptr,
+    TILES: tl.constexpr,
+    WARPS_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    total = tl.sum(tl.reshape(acc, (TILES, WARPS_K, 32)), axis=1)  # [TILES, 32]
     ok = (row < N) & (tok < T)
     if HAS_BIAS:
         total += tl.load(bias_ptr + row, mask=row < N, other=0.0).to(tl.float32)
@@ -417,6 +588,7 @@ class FragmentPlan:
     """How `_int4_fragment` is launched: ``tiles`` 16-row tiles a program, ``warps_k`` warps
     sharing each tile's columns (the program's warps: tiles * warps_k); ``evict_first``: the
     words are loaded with L2's evict-first policy (read once a step)."""
+
     tiles: int = 1
     warps_k: int = 4
     evict_first: bool = False
@@ -451,17 +623,23 @@ def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan 
     return FragmentPlan(tiles=1, warps_k=warps_k)
 
 
-@functools.lru_cache(maxsize=None)
-def fragment_launches(tokens: int, n: int, k: int,
-                      group_size: int) -> tuple[tuple[int, int, FragmentPlan], ...] | None:
+@functools.cache
+def fragment_launches(
+    tokens: int, n: int, k: int, group_size: int
+) -> tuple[tuple[int, int, FragmentPlan], ...] | None:
     """The kernel launches of a call of ``tokens``, ``(first token, end, plan)`` each: launches
     of up to 16 tokens, for calls of at most 32; None where the call should go to
     `fragment_matmul` (or the layer is not taken). Cached: eager steps ask for every layer."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= LAUNCHES_MAX_TOKENS:
         return None
-    return tuple((a, min(tokens, a + MAX_TOKENS),
-                  fragment_plan(min(tokens, a + MAX_TOKENS) - a, n, k, group_size))
-                 for a in range(0, tokens, MAX_TOKENS))
+    return tuple(
+        (
+            a,
+            min(tokens, a + MAX_TOKENS),
+            fragment_plan(min(tokens, a + MAX_TOKENS) - a, n, k, group_size),
+        )
+        for a in range(0, tokens, MAX_TOKENS)
+    )
 
 
 def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
@@ -473,19 +651,27 @@ def fragment_extra_bytes(quantized_linear_bytes: int, group_size: int) -> int:
     return int(quantized_linear_bytes * (1 / g) / (0.5 + 3 / g)) + 1
 
 
-@functools.lru_cache(maxsize=None)
-def _asm_text(chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool,
-              bf16: bool = False) -> tuple[str, str]:
+@functools.cache
+def _asm_text(
+    chunk: int, spg: int, two: bool, pdl_on: bool, evict_first: bool, bf16: bool = False
+) -> tuple[str, str]:
     """The asm and its constraints: the accumulators, then the operands `_int4_fragment`
     passes (addresses as 64-bit integers, nvalid as 32)."""
     ins = ["l", "l", "l"] + (["l"] if two else []) + ["r"]
-    return (_warp_asm(chunk, spg, two, pdl_on, evict_first, bf16),
-            ",".join(["=f"] * (8 if two else 4) + ins))
+    return (
+        _warp_asm(chunk, spg, two, pdl_on, evict_first, bf16),
+        ",".join(["=f"] * (8 if two else 4) + ins),
+    )
 
 
-def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None,
-                       *, plan: FragmentPlan | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+def int4_gemm_fragment(
+    x: torch.Tensor,
+    weight: FragmentWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    plan: FragmentPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` for ``x [T, K]`` in the weight's dtype (fp16
     or bf16), 1 <= T <= 32 in the launches `fragment_launches` gives (CUDA; Triton's CPU
     interpreter runs the portable version). ``plan`` (1..16 tokens) makes it one launch of that
@@ -495,23 +681,34 @@ def int4_gemm_fragment(x: torch.Tensor, weight: FragmentWeight, bias: torch.Tens
     tokens = x2.shape[0]
     most = MAX_TOKENS if plan else LAUNCHES_MAX_TOKENS
     if x2.dtype != weight.dtype or not 1 <= tokens <= most:
-        raise ValueError(f"Int4Gemm fragment kernel: x of 1..{most} tokens in the "
-                         f"weight's {weight.dtype}, got {x2.dtype} x {tokens}")
+        raise ValueError(
+            f"Int4Gemm fragment kernel: x of 1..{most} tokens in the "
+            f"weight's {weight.dtype}, got {x2.dtype} x {tokens}"
+        )
     if x2.data_ptr() % 16:
-        raise ValueError("Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
-                         "are 16-byte loads); pass a fresh or .clone()d tensor")
+        raise ValueError(
+            "Int4Gemm fragment kernel: x must be 16-byte aligned (its B fragments "
+            "are 16-byte loads); pass a fresh or .clone()d tensor"
+        )
     launches = ((0, tokens, plan),) if plan else fragment_launches(tokens, n, k, weight.group_size)
     if launches is None:
-        raise ValueError(f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
-                         f"(fragment_launches); call fragment_matmul")
+        raise ValueError(
+            f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
+            f"(fragment_launches); call fragment_matmul"
+        )
     y = out if out is not None else torch.empty((tokens, n), dtype=x.dtype, device=x.device)
-    for first, end, p in launches:       # a launch's x rows stay 16-byte aligned: K % 64 == 0
+    for first, end, p in launches:  # a launch's x rows stay 16-byte aligned: K % 64 == 0
         _launch(x2[first:end], weight, bias, p, y[first:end])
     return y.view(*x.shape[:-1], n)
 
 
-def _launch(x2: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None,
-            plan: FragmentPlan, y: torch.Tensor) -> None:
+def _launch(
+    x2: torch.Tensor,
+    weight: FragmentWeight,
+    bias: torch.Tensor | None,
+    plan: FragmentPlan,
+    y: torch.Tensor,
+) -> None:
     n, k = weight.out_features, weight.in_features
     tokens = x2.shape[0]
     spg = weight.group_size // STEP_COLS
@@ -521,21 +718,49 @@ def _launch(x2: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None,
     asm = not _interpreting()
     launch = pdl.launch_options(x2.device)
     bf16 = weight.dtype == torch.bfloat16
-    text, constraints = (_asm_text(chunk, spg, two, launch["PDL"], plan.evict_first, bf16)
-                         if asm else ("", ""))
+    text, constraints = (
+        _asm_text(chunk, spg, two, launch["PDL"], plan.evict_first, bf16) if asm else ("", "")
+    )
     bias_arg = bias.contiguous() if bias is not None else y
     _int4_fragment[(-(-(n // TILE_ROWS) // plan.tiles),)](
-        x2, weight.words, weight.records, bias_arg, y, tokens, n, k, groups,
-        TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=spg, TWO=two, BF16=bf16,
-        HAS_BIAS=bias is not None, ASM=asm, ASM_TEXT=text, CONSTRAINTS=constraints,
-        num_warps=plan.tiles * plan.warps_k, **launch)
+        x2,
+        weight.words,
+        weight.records,
+        bias_arg,
+        y,
+        tokens,
+        n,
+        k,
+        groups,
+        TILES=plan.tiles,
+        WARPS_K=plan.warps_k,
+        CHUNK=chunk,
+        SPG=spg,
+        TWO=two,
+        BF16=bf16,
+        HAS_BIAS=bias is not None,
+        ASM=asm,
+        ASM_TEXT=text,
+        CONSTRAINTS=constraints,
+        num_warps=plan.tiles * plan.warps_k,
+        **launch,
+    )
 
 
 # --- calls of more than 32 tokens: the layer dequantized, then cuBLAS -------------------------
 
+
 @triton.jit
-def _dequantize_fragments(words_ptr, records_ptr, w_ptr, K, G, GROUP: tl.constexpr,
-                          BLOCKS: tl.constexpr, BF16: tl.constexpr):
+def _dequantize_fragments(
+    words_ptr,
+    records_ptr,
+    w_ptr,
+    K,
+    G,
+    GROUP: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """``W [N, K] = (q - z) * s`` (fp32, rounded once to the records' dtype) from the fragment
     layout: a program writes one 16-row tile's ``BLOCKS`` blocks of 64 columns. One element a
     word (``BLOCKS * 128`` contiguous words): word ``16 g + cu`` of block ``b`` (``cu = 4 c +
@@ -552,46 +777,67 @@ def _dequantize_fragments(words_ptr, records_ptr, w_ptr, K, G, GROUP: tl.constex
     g = (word_i // 16) % 8
     col = 64 * b + 4 * (word_i % 16)
     ok = b < blocks
-    word = tl.load(words_ptr + (r * blocks + tl.program_id(1) * BLOCKS) * 128 + word_i, mask=ok,
-                   other=0)
+    word = tl.load(
+        words_ptr + (r * blocks + tl.program_id(1) * BLOCKS) * 128 + word_i, mask=ok, other=0
+    )
     kk = tl.arange(0, 4)
     # The record of (tile, group, g): -(magic + z) of rows g and g + 8, then their scales.
     rec = records_ptr + ((r * G + (b * 64) // GROUP) * 8 + g) * 4
     for hb in tl.static_range(2):
         q = (word[:, None] >> (4 * hb + 16 * (kk % 2) + 8 * (kk // 2))[None, :]) & 0xF
-        minus_z = (tl.load(rec + hb, mask=ok, other=0.0).to(tl.float32)
-                   + (128.0 if BF16 else (64.0 if hb else 1024.0)))
+        minus_z = tl.load(rec + hb, mask=ok, other=0.0).to(tl.float32) + (
+            128.0 if BF16 else (64.0 if hb else 1024.0)
+        )
         scale = tl.load(rec + 2 + hb, mask=ok, other=0.0).to(tl.float32)
         w = (q.to(tl.float32) + minus_z[:, None]) * scale[:, None]
         row = 16 * r + 8 * hb + g
-        tl.store(w_ptr + (row * K + col)[:, None] + kk[None, :], w.to(w_ptr.dtype.element_ty),
-                 mask=ok[:, None])
+        tl.store(
+            w_ptr + (row * K + col)[:, None] + kk[None, :],
+            w.to(w_ptr.dtype.element_ty),
+            mask=ok[:, None],
+        )
 
 
-DEQUANT_BLOCKS = 8      # 64-column blocks a program: 16 x 512 weights
+DEQUANT_BLOCKS = 8  # 64-column blocks a program: 16 x 512 weights
 
 
-def fragment_dequantize(weight: FragmentWeight, out: torch.Tensor | None = None,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
+def fragment_dequantize(
+    weight: FragmentWeight, out: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The layer's weight ``[N, K]`` from the fragment layout, in ``dtype``: the weight's (the
     default) or fp32 (exact) (CUDA; Triton's CPU interpreter too). ``out``: a contiguous ``[N,
     K]`` tensor of that dtype to write into."""
     n, k = weight.out_features, weight.in_features
     dtype = dtype or (out.dtype if out is not None else weight.dtype)
     w = out if out is not None else torch.empty((n, k), dtype=dtype, device=weight.words.device)
-    if (tuple(w.shape) != (n, k) or w.dtype != dtype or dtype not in (weight.dtype, torch.float32)
-            or not w.is_contiguous()):
-        raise ValueError(f"Int4Gemm fragment dequantize: out must be a contiguous {weight.dtype} "
-                         f"or torch.float32 [{n}, {k}], got {w.dtype} {list(w.shape)}")
+    if (
+        tuple(w.shape) != (n, k)
+        or w.dtype != dtype
+        or dtype not in (weight.dtype, torch.float32)
+        or not w.is_contiguous()
+    ):
+        raise ValueError(
+            f"Int4Gemm fragment dequantize: out must be a contiguous {weight.dtype} "
+            f"or torch.float32 [{n}, {k}], got {w.dtype} {list(w.shape)}"
+        )
     grid = (n // TILE_ROWS, -(-(k // 64) // DEQUANT_BLOCKS))
-    _dequantize_fragments[grid](weight.words, weight.records, w, k, weight.groups,
-                                GROUP=weight.group_size, BLOCKS=DEQUANT_BLOCKS,
-                                BF16=weight.dtype == torch.bfloat16, num_warps=4)
+    _dequantize_fragments[grid](
+        weight.words,
+        weight.records,
+        w,
+        k,
+        weight.groups,
+        GROUP=weight.group_size,
+        BLOCKS=DEQUANT_BLOCKS,
+        BF16=weight.dtype == torch.bfloat16,
+        num_warps=4,
+    )
     return w
 
 
-def fragment_matmul(x: torch.Tensor, weight: FragmentWeight,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def fragment_matmul(
+    x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``y = x @ dequantize(W).T + bias`` for any number of tokens, in x's dtype: the layer
     dequantized into a transient ``[N, K]`` (the largest projection's fp16 bytes at most,
     reserved by the executor, `runtime.fusion.int4_fragment_bytes`) and multiplied by cuBLAS
@@ -605,14 +851,18 @@ def fragment_matmul(x: torch.Tensor, weight: FragmentWeight,
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
-def fragment_gemm(x: torch.Tensor, weight: FragmentWeight,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def fragment_gemm(
+    x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """An Int4Gemm on the fragment layout, as the CUDA executor runs it: the kernel's launches
     (`fragment_launches`: 1..32 tokens) where x is in the weight's dtype and 16-byte aligned
     (a step's activations are), else `fragment_matmul`."""
     tokens = x.numel() // weight.in_features
-    if (x.dtype == weight.dtype and x.data_ptr() % 16 == 0
-            and fragment_launches(tokens, weight.out_features, weight.in_features,
-                                  weight.group_size) is not None):
+    if (
+        x.dtype == weight.dtype
+        and x.data_ptr() % 16 == 0
+        and fragment_launches(tokens, weight.out_features, weight.in_features, weight.group_size)
+        is not None
+    ):
         return int4_gemm_fragment(x, weight, bias)
     return fragment_matmul(x, weight, bias)

@@ -28,6 +28,7 @@ Semantics, computed in fp32 and returned in x's dtype::
 
 Groups run along K (the reduction axis) within one output row, as in AWQ and GPTQ.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,43 +63,64 @@ def per_column(groups: torch.Tensor, group_size: int, in_features: int) -> torch
     return groups.repeat_interleave(group_size, dim=-1)[..., :in_features]
 
 
-def dequantize_unpacked(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                        group_size: int) -> torch.Tensor:
+def dequantize_unpacked(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """fp32 ``W [N, K]`` from unpacked values ``q [N, K]`` (0..15) and their groups' scales/zeros."""
     k = q.shape[-1]
-    return (q.float() - per_column(zeros.float(), group_size, k)) * per_column(scales.float(), group_size, k)
+    return (q.float() - per_column(zeros.float(), group_size, k)) * per_column(
+        scales.float(), group_size, k
+    )
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """The fp32 weight ``W [N, K]`` that the packed tensors stand for."""
     return dequantize_unpacked(unpack_int4(qweight), scales, zeros, group_size)
 
 
-def check_shapes(x, qweight, scales, zeros, bias, group_size: int, in_features: int,
-                 out_features: int) -> None:
+def check_shapes(
+    x, qweight, scales, zeros, bias, group_size: int, in_features: int, out_features: int
+) -> None:
     k, n = in_features, out_features
     if k % 2 or group_size <= 0:
-        raise ValueError(f"Int4Gemm: in_features {k} must be even and group_size {group_size} "
-                         f"positive")
+        raise ValueError(
+            f"Int4Gemm: in_features {k} must be even and group_size {group_size} positive"
+        )
     g = num_groups(k, group_size)
-    expected = {"x": (x, (k,)), "qweight": (qweight, (n, k // 2)),
-                "scales": (scales, (n, g)), "zeros": (zeros, (n, g))}
+    expected = {
+        "x": (x, (k,)),
+        "qweight": (qweight, (n, k // 2)),
+        "scales": (scales, (n, g)),
+        "zeros": (zeros, (n, g)),
+    }
     if bias is not None:
         expected["bias"] = (bias, (n,))
     for name, (t, shape) in expected.items():
         got = tuple(t.shape[-1:]) if name == "x" else tuple(t.shape)
         if got != shape:
-            raise ValueError(f"Int4Gemm: {name} has shape {tuple(t.shape)}, expected "
-                             f"{'[..., ' + str(k) + ']' if name == 'x' else list(shape)}")
+            raise ValueError(
+                f"Int4Gemm: {name} has shape {tuple(t.shape)}, expected "
+                f"{'[..., ' + str(k) + ']' if name == 'x' else list(shape)}"
+            )
     if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8:
-        raise TypeError(f"Int4Gemm: qweight and zeros must be uint8, got {qweight.dtype}, "
-                        f"{zeros.dtype}")
+        raise TypeError(
+            f"Int4Gemm: qweight and zeros must be uint8, got {qweight.dtype}, {zeros.dtype}"
+        )
 
 
-def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-              zeros: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int,
-              in_features: int, out_features: int) -> torch.Tensor:
+def int4_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` in fp32, returned in x's dtype."""
     check_shapes(x, qweight, scales, zeros, bias, group_size, in_features, out_features)
     w = dequantize(qweight, scales, zeros, group_size)

@@ -27,12 +27,12 @@ N]`` and the sums are added in split order (deterministic, no float atomics), ei
 kernel (``reduce="kernel"``) or by the last program of the row block to finish (``reduce="last"``:
 one launch; programs count arrivals on a per-tile int32 counter that the last one resets). The
 launch depends on shapes only (no host syncs): a decode step can be captured in a CUDA graph.
-Decode launches use programmatic dependent launch (`trtc.plugins.pdl`): a program reads its first
+Decode launches use programmatic dependent launch (`trtc.plugins.kernels.pdl`): a program reads its first
 zeros and scales before waiting for the previous kernel, and (``Plan.prefetch``) may first ask L2
 for its whole slice of the packed weight, one bulk prefetch a row (`_prefetch_rows`).
 
 A second kernel, `_int4_rows`, serves the decode steps where it measured faster (`default_plan`):
-"weights first", as the dense GEMV of runtime/triton_gemv.py. A program owns ``ROWS`` whole rows
+"weights first", as the dense GEMV of plugins/kernels/gemv.py. A program owns ``ROWS`` whole rows
 (no split over K: no partial sums, no reduction tail) and requests all of their packed bytes,
 zeros and scales *before* waiting for the previous kernel (a row that is no power of two long is
 loaded as up to three power-of-two pieces; or, for a plan's shorter steps, the first step before
@@ -47,6 +47,7 @@ and token instead of 3. Each token is one more pass of FMAs, so it takes few tok
 (`ROWS_MAX_TOKENS`); a variant on the matrix units (``tl.dot`` on register tiles) took 3.6-5.1x
 the split kernel's time and was removed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.plugins import pdl
-from trtc.plugins.arrival_counters import arrival_counters
+from trtc.plugins.kernels import pdl
+from trtc.plugins.kernels.arrival_counters import arrival_counters
 
 # Dot operand modes: fp16, bf16, fp32 (fp32 activations; and bf16 ones in Triton's CPU
 # interpreter, whose bf16 arithmetic is not implemented).
@@ -69,6 +70,7 @@ NO_SPLIT, SPLIT_THEN_KERNEL, SPLIT_LAST_SUMS = 0, 1, 2
 
 # --- helpers --------------------------------------------------------------------------------
 
+
 @triton.jit
 def _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
@@ -77,8 +79,24 @@ def _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _finish(acc, toks, rows, tok_ok, row_ok, T, N, tile, split, splits, bias_ptr, y_ptr,
-            partial_ptr, counter_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _finish(
+    acc,
+    toks,
+    rows,
+    tok_ok,
+    row_ok,
+    T,
+    N,
+    tile,
+    split,
+    splits,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """``acc [BLOCK_T, BLOCK_N]`` fp32 -> y (bias added, cast), or this split's partial sums
     (and, for ``SPLIT_LAST_SUMS``, the final sum if this program is the row block's last)."""
     mask = tok_ok[:, None] & row_ok[None, :]
@@ -94,12 +112,13 @@ def _finish(acc, toks, rows, tok_ok, row_ok, T, N, tile, split, splits, bias_ptr
             arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == splits - 1:
                 total = tl.zeros_like(acc)
-                for s in range(splits):      # split order, as `_sum_splits`: deterministic
+                for s in range(splits):  # split order, as `_sum_splits`: deterministic
                     # .cg: read L2, not a stale L1 line of an earlier call.
-                    total += tl.load(partial_ptr + s * plane + offs, mask=mask, other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(
+                        partial_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
                 _write_y(total, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
-                tl.atomic_xchg(counter_ptr + tile, 0)      # ready for the next call
+                tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
 
 
 # --- the dot kernel (matrix units) ----------------------------------------------------------
@@ -126,21 +145,29 @@ add.f16x2 l1, l1, $6;
 fma.rn.f16x2 h0, h0, c, $7;
 fma.rn.f16x2 h1, h1, c, $8;
 """
-_DEQUANT_F16 = tl.constexpr("{" + _F16_NIBBLES + """
+_DEQUANT_F16 = tl.constexpr(
+    "{"
+    + _F16_NIBBLES
+    + """
 mul.f16x2 $0, l0, $9;
 mul.f16x2 $1, l1, $10;
 mul.f16x2 $2, h0, $9;
 mul.f16x2 $3, h1, $10;
 }
-""")
+"""
+)
 # The same without the scale: q - z exactly, in fp16 (the CUDA-core kernel scales a group's sum).
-_NIBBLES_F16 = tl.constexpr("{" + _F16_NIBBLES + """
+_NIBBLES_F16 = tl.constexpr(
+    "{"
+    + _F16_NIBBLES
+    + """
 mov.b32 $0, l0;
 mov.b32 $1, l1;
 mov.b32 $2, h0;
 mov.b32 $3, h1;
 }
-""")
+"""
+)
 _DEQUANT_BF16 = tl.constexpr("""
 {
 .reg .b32 t0, t1, u0, u1, l0, l1, h0, h1;
@@ -190,12 +217,22 @@ def _dequantize(packed, zero, scale, MODE: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         if MODE == 0:
             lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r", [packed, off_lo, off_hi, scale],
-                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                _DEQUANT_F16,
+                "=r,=r,=r,=r,r,r,r,r,r,r,r",
+                [packed, off_lo, off_hi, scale],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
         else:
             lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r", [packed, off_lo, off_hi, scale],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+                _DEQUANT_BF16,
+                "=r,=r,=r,=r,r,r,r,r,r,r,r",
+                [packed, off_lo, off_hi, scale],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
     else:
         # Portable (fp32 activations, Triton's CPU interpreter): the same function in fp32,
         # rounded once to the dot's dtype.
@@ -213,8 +250,8 @@ def _mma_order(t, R: tl.constexpr, C: tl.constexpr):
     16c..16c+15, so the packed tile is read from shared memory 16 bytes at a time instead of
     2 (and no byte shuffling before the asm). The activations get the same order (the sum over
     K does not care)."""
-    t = tl.reshape(t, (R, C // 64, 4, 4, 2, 2))          # column p = 64 i + 16 c + 4 s + 2 h + e
-    t = tl.permute(t, (0, 1, 3, 4, 2, 5))                # position 64 i + 16 s + 8 h + 2 c + e
+    t = tl.reshape(t, (R, C // 64, 4, 4, 2, 2))  # column p = 64 i + 16 c + 4 s + 2 h + e
+    t = tl.permute(t, (0, 1, 3, 4, 2, 5))  # position 64 i + 16 s + 8 h + 2 c + e
     return tl.reshape(t, (R, C))
 
 
@@ -231,8 +268,10 @@ def _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i, G, GPS: tl.constexpr):
     """Step ``i``'s zeros and scales ``[BLOCK_N, GPS]`` (zeros past the last group)."""
     g = i * GPS + tl.arange(0, GPS)
     ok = row_ok[:, None] & (g[None, :] < G)
-    return (tl.load(zeros_ptr + meta + g[None, :], mask=ok, other=0),
-            tl.load(scales_ptr + meta + g[None, :], mask=ok, other=0.0))
+    return (
+        tl.load(zeros_ptr + meta + g[None, :], mask=ok, other=0),
+        tl.load(scales_ptr + meta + g[None, :], mask=ok, other=0.0),
+    )
 
 
 # One bulk L2 prefetch (sm_90: the copy engine fetches ``$2`` bytes from ``$1`` into L2; no
@@ -251,30 +290,54 @@ mov.u32 $0, 0;
 @triton.jit
 def _prefetch_rows(qweight_ptr, rows, row_ok, KB, byte_begin, byte_end):
     """Ask L2 for bytes ``byte_begin .. byte_end`` of each row of ``rows`` (one bulk prefetch a
-    row). The packed weight is constant (trtc.plugins.pdl), so this goes before the wait: the
+    row). The packed weight is constant (trtc.plugins.kernels.pdl), so this goes before the wait: the
     whole slice streams from HBM while the previous kernel finishes, and the pipelined loop
     after the wait reads it from L2."""
     end = tl.minimum(byte_end, KB)
     nbytes = tl.where(row_ok & (end > byte_begin), end - byte_begin, 0).to(tl.int32)
     addr = (qweight_ptr + rows.to(tl.int64) * KB + byte_begin).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [addr, nbytes], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        _PREFETCH_L2, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit(do_not_specialize=["T", "iters_per_split", "splits"])
-def _int4_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partial_ptr,
-              counter_ptr, T, N, K, KB, G, iters_per_split, splits,
-              GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr,
-              EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-              PREFETCH: tl.constexpr, EVICT_FIRST: tl.constexpr, PDL: tl.constexpr):
+def _int4_dot(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    T,
+    N,
+    K,
+    KB,
+    G,
+    iters_per_split,
+    splits,
+    GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+    ASM: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """``BLOCK_T`` tokens x ``BLOCK_N`` rows; K in steps of ``BLOCK_K`` columns (several groups:
     each row is read ``BLOCK_K / 2`` contiguous bytes at a time). The loads are pipelined by
     Triton (cp.async into shared memory, ``num_stages``); with ``PREFETCH`` the program's whole
     slice of the packed weight is first requested into L2, before the wait."""
     HALF: tl.constexpr = GROUP // 2
-    GPS: tl.constexpr = BLOCK_K // GROUP              # groups per step
-    BKB: tl.constexpr = BLOCK_K // 2                  # packed bytes per row per step
+    GPS: tl.constexpr = BLOCK_K // GROUP  # groups per step
+    BKB: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
     tile = tl.program_id(0)
     split = tl.program_id(1)
     t_tiles = tl.cdiv(T, BLOCK_T)
@@ -298,7 +361,7 @@ def _int4_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partia
     if PREFETCH:
         _prefetch_rows(qweight_ptr, rows, row_ok, KB, i_begin * BKB, i_end * BKB)
     # x, y, the partial sums and the counters may belong to earlier kernels; the zeros and
-    # scales above do not (trtc.plugins.pdl).
+    # scales above do not (trtc.plugins.kernels.pdl).
     pdl.begin(PDL)
     for i in range(i_begin, i_end):
         zero1, scale1 = _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i + 1, G, GPS)
@@ -310,26 +373,61 @@ def _int4_dot(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partia
         else:
             w_ok = row_ok[:, None] & (byte[None, :] < KB)
             x_ok = tok_ok[:, None] & (col[None, :] < K)
-        packed = tl.load(w_rows + byte[None, :], mask=w_ok, other=0,
-                         eviction_policy="evict_first" if EVICT_FIRST else "")
+        packed = tl.load(
+            w_rows + byte[None, :],
+            mask=w_ok,
+            other=0,
+            eviction_policy="evict_first" if EVICT_FIRST else "",
+        )
         zero = tl.reshape(tl.broadcast_to(zero0[:, :, None], (BLOCK_N, GPS, HALF)), (BLOCK_N, BKB))
-        scale = tl.reshape(tl.broadcast_to(scale0[:, :, None], (BLOCK_N, GPS, HALF)),
-                           (BLOCK_N, BKB))
-        w_lo, w_hi = _dequantize(_mma_order(packed, BLOCK_N, BKB), _mma_order(zero, BLOCK_N, BKB),
-                                 _mma_order(scale, BLOCK_N, BKB), MODE, ASM)
+        scale = tl.reshape(
+            tl.broadcast_to(scale0[:, :, None], (BLOCK_N, GPS, HALF)), (BLOCK_N, BKB)
+        )
+        w_lo, w_hi = _dequantize(
+            _mma_order(packed, BLOCK_N, BKB),
+            _mma_order(zero, BLOCK_N, BKB),
+            _mma_order(scale, BLOCK_N, BKB),
+            MODE,
+            ASM,
+        )
         # Even columns of x meet the low nibbles, odd ones the high nibbles.
         xv = tl.load(x_rows + col[None, :], mask=x_ok, other=0.0).to(w_lo.dtype)
         x_even, x_odd = tl.split(tl.reshape(xv, (BLOCK_T, BKB, 2)))
         acc = _dot(w_lo, tl.trans(_mma_order(x_even, BLOCK_T, BKB)), acc, MODE)
         acc = _dot(w_hi, tl.trans(_mma_order(x_odd, BLOCK_T, BKB)), acc, MODE)
         zero0, scale0 = zero1, scale1
-    _finish(tl.trans(acc), toks, rows, tok_ok, row_ok, T, N, tile, split, splits, bias_ptr,
-            y_ptr, partial_ptr, counter_ptr, HAS_BIAS, SPLIT)
+    _finish(
+        tl.trans(acc),
+        toks,
+        rows,
+        tok_ok,
+        row_ok,
+        T,
+        N,
+        tile,
+        split,
+        splits,
+        bias_ptr,
+        y_ptr,
+        partial_ptr,
+        counter_ptr,
+        HAS_BIAS,
+        SPLIT,
+    )
 
 
 @triton.jit(do_not_specialize=["T", "splits"])
-def _sum_splits(partial_ptr, bias_ptr, y_ptr, T, N, splits, HAS_BIAS: tl.constexpr,
-                BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_splits(
+    partial_ptr,
+    bias_ptr,
+    y_ptr,
+    T,
+    N,
+    splits,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     plane = T.to(tl.int64) * N
@@ -344,9 +442,21 @@ def _sum_splits(partial_ptr, bias_ptr, y_ptr, T, N, splits, HAS_BIAS: tl.constex
 
 # --- the weights-first decode kernel ---------------------------------------------------------
 
+
 @triton.jit
-def _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, g0, GPS: tl.constexpr,
-               HALF: tl.constexpr, EVICT_FIRST: tl.constexpr):
+def _load_step(
+    qweight_ptr,
+    zeros_ptr,
+    scales_ptr,
+    rows,
+    row_ok,
+    KB,
+    G,
+    g0,
+    GPS: tl.constexpr,
+    HALF: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+):
     """Groups ``g0 .. g0 + GPS`` of ``rows``: packed weight ``[ROWS, GPS * HALF]`` (``HALF``
     units a group, ``KB`` a row: bytes, or 32-bit words for `_step_half2`) and the groups'
     zeros and scales ``[ROWS, GPS]`` (masked past the row's end: they read nothing).
@@ -355,9 +465,12 @@ def _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G, g0, GPS:
     the packed bytes are read once a step, so L2 may drop them first (`Plan.evict_first`)."""
     byte = g0 * HALF + tl.arange(0, GPS * HALF)
     r64 = rows.to(tl.int64)
-    packed = tl.load(qweight_ptr + r64[:, None] * KB + byte[None, :],
-                     mask=row_ok[:, None] & (byte < KB)[None, :], other=0,
-                     eviction_policy="evict_first" if EVICT_FIRST else "")
+    packed = tl.load(
+        qweight_ptr + r64[:, None] * KB + byte[None, :],
+        mask=row_ok[:, None] & (byte < KB)[None, :],
+        other=0,
+        eviction_policy="evict_first" if EVICT_FIRST else "",
+    )
     g = g0 + tl.arange(0, GPS)
     ok = row_ok[:, None] & (g < G)[None, :]
     zero = tl.load(zeros_ptr + r64[:, None] * G + g[None, :], mask=ok, other=0)
@@ -374,8 +487,18 @@ def _per_byte(t, HALF: tl.constexpr):
 
 
 @triton.jit
-def _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS: tl.constexpr, GROUP: tl.constexpr,
-              ASM: tl.constexpr):
+def _step_fma(
+    acc,
+    packed,
+    zero,
+    scale,
+    x_ptr,
+    K,
+    g0,
+    TOKENS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """``acc [BT, ROWS] +=`` the step's products for tokens ``0 .. TOKENS``, in CUDA cores:
     ``s * sum(x (q - z))`` per group, q - z exact (fp16 asm, or fp32), fp32 FMAs; each weight is
     unpacked once for all the tokens, each group scaled once."""
@@ -383,13 +506,18 @@ def _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS: tl.constexpr, GROU
     BKB: tl.constexpr = packed.shape[1]
     GPS: tl.constexpr = zero.shape[1]
     HALF: tl.constexpr = GROUP // 2
-    off_lo, off_hi, s = _dequant_terms(zero, scale, 0, ASM)       # the fp16 offsets
+    off_lo, off_hi, s = _dequant_terms(zero, scale, 0, ASM)  # the fp16 offsets
     off_lo = _per_byte(off_lo, HALF)
     off_hi = _per_byte(off_hi, HALF)
     if ASM:
         q_lo, q_hi = tl.inline_asm_elementwise(
-            _NIBBLES_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, off_lo, off_hi],
-            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            _NIBBLES_F16,
+            "=r,=r,=r,=r,r,r,r,r,r",
+            [packed, off_lo, off_hi],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
     else:
         q_lo = (packed & 0xF).to(tl.float32) - off_lo
         q_hi = (packed >> 4).to(tl.float32) - off_hi
@@ -401,8 +529,7 @@ def _step_fma(acc, packed, zero, scale, x_ptr, K, g0, TOKENS: tl.constexpr, GROU
     for t in tl.static_range(TOKENS):
         xv = tl.load(x_ptr + t * K + col, mask=col < K, other=0.0).to(tl.float32)
         # One sum per group: a chain of FMAs per thread, then the threads of a group.
-        part = tl.sum(tl.sum(tl.reshape(q * xv[None, :], (ROWS, GPS, GROUP)), axis=2) * s,
-                      axis=1)
+        part = tl.sum(tl.sum(tl.reshape(q * xv[None, :], (ROWS, GPS, GROUP)), axis=2) * s, axis=1)
         acc = tl.where((toks == t)[:, None], acc + part[None, :], acc)
     return acc
 
@@ -476,8 +603,7 @@ def _f16x2_of(v):
 
 
 @triton.jit
-def _step_half2(acc, words, zero, scale, x_ptr, KB, g0, TOKENS: tl.constexpr,
-                GROUP: tl.constexpr):
+def _step_half2(acc, words, zero, scale, x_ptr, KB, g0, TOKENS: tl.constexpr, GROUP: tl.constexpr):
     """`_step_fma` for fp16 x on packed 32-bit words (``words [ROWS, GPS * GROUP / 8]``, x as
     int32 column pairs, row stride ``KB``): each weight unpacked once (1.25 instructions), its
     products in f16x2 FMAs (0.5 a token) and 4 of them summed in fp16 before fp32 takes over, so
@@ -491,31 +617,57 @@ def _step_half2(acc, words, zero, scale, x_ptr, KB, g0, TOKENS: tl.constexpr,
     off_lo = _per_byte(_f16x2_of(-1024.0 - z), WPG)
     off_hi = _per_byte(_f16x2_of(-64.0 - z), WPG)
     l0, l1, h0, h1 = tl.inline_asm_elementwise(
-        _WORD_NIBBLES, "=r,=r,=r,=r,r,r,r", [words, off_lo, off_hi],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    s = scale.to(tl.float32) * 16.0                 # x was taken times 1/16
+        _WORD_NIBBLES,
+        "=r,=r,=r,=r,r,r,r",
+        [words, off_lo, off_hi],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+    s = scale.to(tl.float32) * 16.0  # x was taken times 1/16
     pair = (g0 * WPG + tl.arange(0, W))[:, None] * 4 + tl.arange(0, 4)[None, :]
     toks = tl.arange(0, acc.shape[0])
     for t in tl.static_range(TOKENS):
-        xp = tl.load(x_ptr + t * KB + pair, mask=pair < KB, other=0)           # [W, 4] int32
-        even, odd = tl.split(tl.reshape(xp, (W, 2, 2)))       # pairs (0, 2) and (1, 3)
+        xp = tl.load(x_ptr + t * KB + pair, mask=pair < KB, other=0)  # [W, 4] int32
+        even, odd = tl.split(tl.reshape(xp, (W, 2, 2)))  # pairs (0, 2) and (1, 3)
         p0, p2 = tl.split(even)
         p1, p3 = tl.split(odd)
         xa, xb, xc, xd = tl.inline_asm_elementwise(
-            _X_LANES, "=r,=r,=r,=r,r,r,r,r", [p0, p1, p2, p3],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            _X_LANES,
+            "=r,=r,=r,=r,r,r,r,r",
+            [p0, p1, p2, p3],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
         dots = tl.inline_asm_elementwise(
-            _WORD_DOT, "=f,r,r,r,r,r,r,r,r",
+            _WORD_DOT,
+            "=f,r,r,r,r,r,r,r,r",
             [l0, l1, h0, h1, xa[None, :], xb[None, :], xc[None, :], xd[None, :]],
-            dtype=tl.float32, is_pure=True, pack=1)
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
         part = tl.sum(tl.sum(tl.reshape(dots, (ROWS, GPS, WPG)), axis=2) * s, axis=1)
         acc = tl.where((toks == t)[:, None], acc + part[None, :], acc)
     return acc
 
 
 @triton.jit
-def _step_sum(acc, packed, zero, scale, x_ptr, K, KB, g0, TOKENS: tl.constexpr,
-              GROUP: tl.constexpr, ASM: tl.constexpr, HALF2: tl.constexpr):
+def _step_sum(
+    acc,
+    packed,
+    zero,
+    scale,
+    x_ptr,
+    K,
+    KB,
+    g0,
+    TOKENS: tl.constexpr,
+    GROUP: tl.constexpr,
+    ASM: tl.constexpr,
+    HALF2: tl.constexpr,
+):
     if HALF2:
         acc = _step_half2(acc, packed, zero, scale, x_ptr, KB, g0, TOKENS, GROUP)
     else:
@@ -524,25 +676,66 @@ def _step_sum(acc, packed, zero, scale, x_ptr, K, KB, g0, TOKENS: tl.constexpr,
 
 
 @triton.jit
-def _rows_step(acc, packed, zero, scale, g0, x_ptr, qweight_ptr, zeros_ptr, scales_ptr, rows,
-               row_ok, K, KB, WS, G, GROUP: tl.constexpr, TOKENS: tl.constexpr,
-               ASM: tl.constexpr, HALF2: tl.constexpr, PER: tl.constexpr,
-               EVICT_FIRST: tl.constexpr):
+def _rows_step(
+    acc,
+    packed,
+    zero,
+    scale,
+    g0,
+    x_ptr,
+    qweight_ptr,
+    zeros_ptr,
+    scales_ptr,
+    rows,
+    row_ok,
+    K,
+    KB,
+    WS,
+    G,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,
+    ASM: tl.constexpr,
+    HALF2: tl.constexpr,
+    PER: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+):
     """One step of `_int4_rows`: request the next step's weights (past the last step the masks
     are all off: nothing is read), then reduce this one's. Returns (acc, next step's weights)."""
     GPS: tl.constexpr = zero.shape[1]
-    ahead = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, g0 + GPS, GPS,
-                       PER, EVICT_FIRST)
+    ahead = _load_step(
+        qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, g0 + GPS, GPS, PER, EVICT_FIRST
+    )
     acc = _step_sum(acc, packed, zero, scale, x_ptr, K, KB, g0, TOKENS, GROUP, ASM, HALF2)
     return acc, ahead[0], ahead[1], ahead[2]
 
 
 @triton.jit(do_not_specialize=["T"])
-def _int4_rows(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, T, N, K, KB, G,
-               GROUP: tl.constexpr, ROWS: tl.constexpr, GPS: tl.constexpr,
-               STEPS: tl.constexpr, GB: tl.constexpr, GC: tl.constexpr, BLOCK_T: tl.constexpr,
-               TOKENS: tl.constexpr, ASM: tl.constexpr, HALF2: tl.constexpr,
-               HAS_BIAS: tl.constexpr, EVICT_FIRST: tl.constexpr, PDL: tl.constexpr):
+def _int4_rows(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    bias_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    KB,
+    G,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    GPS: tl.constexpr,
+    STEPS: tl.constexpr,
+    GB: tl.constexpr,
+    GC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TOKENS: tl.constexpr,
+    ASM: tl.constexpr,
+    HALF2: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """``ROWS`` whole rows of ``TOKENS`` tokens. A row's groups are either ``STEPS`` steps of
     ``GPS`` groups, or (``STEPS == 0``) up to three power-of-two pieces of ``GPS``, ``GB``,
     ``GC`` groups (`row_pieces`), all of them loaded before the wait. With ``HALF2`` the weight
@@ -553,18 +746,31 @@ def _int4_rows(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, T, N,
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     acc = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
-    # The weights are constants (trtc.plugins.pdl): they are requested before the wait for the
+    # The weights are constants (trtc.plugins.kernels.pdl): they are requested before the wait for the
     # previous kernel, so they stream while it finishes: the whole row, or the first step (each
     # later step's are requested one step ahead, into registers).
-    pa, za, sa = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, 0, GPS, PER,
-                            EVICT_FIRST)
+    pa, za, sa = _load_step(
+        qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, 0, GPS, PER, EVICT_FIRST
+    )
     if STEPS == 0:
         if GB > 0:
-            pb, zb, sb = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, GPS,
-                                    GB, PER, EVICT_FIRST)
+            pb, zb, sb = _load_step(
+                qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, GPS, GB, PER, EVICT_FIRST
+            )
         if GC > 0:
-            pc, zc, sc = _load_step(qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G,
-                                    GPS + GB, GC, PER, EVICT_FIRST)
+            pc, zc, sc = _load_step(
+                qweight_ptr,
+                zeros_ptr,
+                scales_ptr,
+                rows,
+                row_ok,
+                WS,
+                G,
+                GPS + GB,
+                GC,
+                PER,
+                EVICT_FIRST,
+            )
         pdl.begin(PDL)
         acc = _step_sum(acc, pa, za, sa, x_ptr, K, KB, 0, TOKENS, GROUP, ASM, HALF2)
         if GB > 0:
@@ -577,22 +783,71 @@ def _int4_rows(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, T, N,
         # (and repack them for the asm every step).
         if STEPS <= 8:
             for i in tl.static_range(STEPS):
-                acc, pa, za, sa = _rows_step(acc, pa, za, sa, i * GPS, x_ptr, qweight_ptr,
-                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, WS, G,
-                                             GROUP, TOKENS, ASM, HALF2, PER, EVICT_FIRST)
+                acc, pa, za, sa = _rows_step(
+                    acc,
+                    pa,
+                    za,
+                    sa,
+                    i * GPS,
+                    x_ptr,
+                    qweight_ptr,
+                    zeros_ptr,
+                    scales_ptr,
+                    rows,
+                    row_ok,
+                    K,
+                    KB,
+                    WS,
+                    G,
+                    GROUP,
+                    TOKENS,
+                    ASM,
+                    HALF2,
+                    PER,
+                    EVICT_FIRST,
+                )
         else:
             for i in range(STEPS):
-                acc, pa, za, sa = _rows_step(acc, pa, za, sa, i * GPS, x_ptr, qweight_ptr,
-                                             zeros_ptr, scales_ptr, rows, row_ok, K, KB, WS, G,
-                                             GROUP, TOKENS, ASM, HALF2, PER, EVICT_FIRST)
+                acc, pa, za, sa = _rows_step(
+                    acc,
+                    pa,
+                    za,
+                    sa,
+                    i * GPS,
+                    x_ptr,
+                    qweight_ptr,
+                    zeros_ptr,
+                    scales_ptr,
+                    rows,
+                    row_ok,
+                    K,
+                    KB,
+                    WS,
+                    G,
+                    GROUP,
+                    TOKENS,
+                    ASM,
+                    HALF2,
+                    PER,
+                    EVICT_FIRST,
+                )
     toks = tl.arange(0, BLOCK_T)
     tok_ok = toks < T
     mask = tok_ok[:, None] & row_ok[None, :]
-    _write_y(acc, toks.to(tl.int64)[:, None] * N + rows[None, :], mask, rows, row_ok, bias_ptr,
-             y_ptr, HAS_BIAS)
+    _write_y(
+        acc,
+        toks.to(tl.int64)[:, None] * N + rows[None, :],
+        mask,
+        rows,
+        row_ok,
+        bias_ptr,
+        y_ptr,
+        HAS_BIAS,
+    )
 
 
 # --- launch ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -611,6 +866,7 @@ class Plan:
     f16x2 FMAs (`_step_half2`) instead of fp32 ones. ``evict_first``: the packed
     weight is loaded with L2's evict-first policy (a weight is read once a step; the
     activations, KV cache and the other kernels' data are what L2 should keep)."""
+
     block_t: int
     block_n: int
     split_k: int = 1
@@ -647,13 +903,12 @@ def supports(group_size: int) -> bool:
     return 32 <= group_size <= 256 and group_size & (group_size - 1) == 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_k_for(tiles: int, steps: int, slots: int, tokens: int, k: int,
-                min_steps: int = 2) -> int:
+def split_k_for(tiles: int, steps: int, slots: int, tokens: int, k: int, min_steps: int = 2) -> int:
     """K splits for a decode launch of ``tiles`` row blocks: as many as fill ``slots`` programs
     (the programs the SMs hold at once: one wave), keeping at least
     ``min_steps`` loop steps per split (shorter splits spend more on partial sums and loop
@@ -684,15 +939,24 @@ def split_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132
         # Layers of at most 4096 x 4096 prefetch each program's slice into L2 before the wait
         # (4-5% less time at 4..16 tokens; 4-5% more on the larger layers: 2026-12-04).
         split = split_k_for(-(-n // 64), -(-k // block_k), 3 * sm_count, tokens, k)
-        return Plan(16, 64, split, reduce="last", num_warps=4, num_stages=3, block_k=block_k,
-                    prefetch=n * k <= 4096 * 4096)
+        return Plan(
+            16,
+            64,
+            split,
+            reduce="last",
+            num_warps=4,
+            num_stages=3,
+            block_k=block_k,
+            prefetch=n * k <= 4096 * 4096,
+        )
     # Prefill (compute-bound): 64 tokens x 128 rows, one group (128 columns) per step; it took
     # 16-34% less time than 128 x 128 tiles with 8 warps.
     return Plan(64, 128, 1, num_warps=4, num_stages=3, block_k=max(128, group_size))
 
 
-def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132,
-                 fp16: bool = True) -> Plan:
+def default_plan(
+    tokens: int, n: int, k: int, group_size: int, sm_count: int = 132, fp16: bool = True
+) -> Plan:
     """The launch measured fastest for ``[tokens, k] @ [n, k].T`` on an H200 (docs/gpu-kernels.md,
     2026-12-04; ``benchmark.py`` times the alternatives). ``fp16``: the activations are fp16 (the
     rows kernel's half2 products; bf16 and fp32 take its fp32 ones)."""
@@ -703,31 +967,47 @@ def default_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 1
         # row is one 2048-byte piece, 8 for the 5.5 KB rows of K = 11008. The packed weight is
         # loaded evict-first in every rows plan (4.42 / 10.81 / 12.44 against 4.55 / 11.04 /
         # 12.79 us at one token in one call, 2026-12-04).
-        return Plan(16, 8, kernel="rows", num_warps=4 if k <= 4096 else 8, num_stages=1,
-                    block_k=triton.next_power_of_2(k), half2=fp16, evict_first=True)
+        return Plan(
+            16,
+            8,
+            kernel="rows",
+            num_warps=4 if k <= 4096 else 8,
+            num_stages=1,
+            block_k=triton.next_power_of_2(k),
+            half2=fp16,
+            evict_first=True,
+        )
     if tokens == 2 and fp16 and k <= 4096:
         # Half2 products make a second token cheap enough on short rows: 6.63 / 15.66 us against
         # the split kernel's 8.87 / 16.02 on [4096, 4096] / [11008, 4096] (21.8 against 16.3 on
         # [4096, 11008]).
-        return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1,
-                    block_k=triton.next_power_of_2(k), half2=True, evict_first=True)
+        return Plan(
+            16,
+            4,
+            kernel="rows",
+            num_warps=4,
+            num_stages=1,
+            block_k=triton.next_power_of_2(k),
+            half2=True,
+            evict_first=True,
+        )
     if tokens == 2 and n * k <= 4096 * 4096:
         # fp32 products (bf16): it wins only where the split kernel's fixed cost is most of its
         # time (8.1 against 8.9 us on [4096, 4096]; 18.6-20.3 against 16.0 us on [11008, 4096]).
-        return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1, block_k=2048,
-                    evict_first=True)
+        return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1, block_k=2048, evict_first=True)
     return split_plan(tokens, n, k, group_size, sm_count)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bulk_prefetch_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _has_bulk_prefetch(device: torch.device) -> bool:
     """``cp.async.bulk.prefetch.L2`` needs sm_90 or later."""
-    return _bulk_prefetch_on(device.index if device.index is not None
-                             else torch.cuda.current_device())
+    return _bulk_prefetch_on(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def _interpreting() -> bool:
@@ -746,10 +1026,16 @@ def _dot_mode(x: torch.Tensor) -> int:
 
 def check_plan(plan: Plan, tokens: int) -> None:
     if plan.kernel == "split":
-        if plan.reduce not in ("kernel", "last") or plan.split_k < 1 \
-                or min(plan.block_t, plan.block_n) < 16 or plan.block_k % 128:
-            raise ValueError(f"Int4Gemm plan {plan}: reduce kernel | last, split_k >= 1, block_t "
-                             f"and block_n >= 16, block_k a multiple of 128")
+        if (
+            plan.reduce not in ("kernel", "last")
+            or plan.split_k < 1
+            or min(plan.block_t, plan.block_n) < 16
+            or plan.block_k % 128
+        ):
+            raise ValueError(
+                f"Int4Gemm plan {plan}: reduce kernel | last, split_k >= 1, block_t "
+                f"and block_n >= 16, block_k a multiple of 128"
+            )
         return
     where = f"Int4Gemm plan {plan} for {tokens} tokens"
     if plan.kernel != "rows":
@@ -760,10 +1046,20 @@ def check_plan(plan: Plan, tokens: int) -> None:
         raise ValueError(f"{where}: the rows kernel takes at most {ROWS_MAX_TOKENS} tokens")
 
 
-def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              bias: torch.Tensor | None = None, *, group_size: int, in_features: int,
-              out_features: int, plan: Plan | None = None, out: torch.Tensor | None = None,
-              workspace: torch.Tensor | None = None) -> torch.Tensor:
+def int4_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+    plan: Plan | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``y [..., N] = x @ dequantize(W).T + bias`` (shapes as `reference.check_shapes` accepts
     them, ``supports(group_size)``); ``plan`` overrides `default_plan` (the benchmark's
     variants). ``out`` (contiguous ``[T, N]`` in x's dtype) and ``workspace`` (contiguous fp32,
@@ -773,8 +1069,10 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     tokens = x2.shape[0]
     y = out if out is not None else torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tuple(y.shape) != (tokens, n) or y.dtype != x.dtype or not y.is_contiguous():
-        raise ValueError(f"Int4Gemm: out must be a contiguous {x.dtype} [{tokens}, {n}], got "
-                         f"{y.dtype} {list(y.shape)}")
+        raise ValueError(
+            f"Int4Gemm: out must be a contiguous {x.dtype} [{tokens}, {n}], got "
+            f"{y.dtype} {list(y.shape)}"
+        )
     if tokens == 0 or n == 0:
         return y.view(*x.shape[:-1], n)
     groups = scales.shape[1]
@@ -782,17 +1080,18 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if plan is None:
         sms = 132
         if x.is_cuda:
-            sms = _sm_count(x.device.index if x.device.index is not None
-                            else torch.cuda.current_device())
+            sms = _sm_count(
+                x.device.index if x.device.index is not None else torch.cuda.current_device()
+            )
         plan = default_plan(tokens, n, k, group_size, sms, fp16=mode == FP16)
     check_plan(plan, tokens)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
-    bias_arg = bias.contiguous() if bias is not None else scales   # unread when HAS_BIAS is off
+    bias_arg = bias.contiguous() if bias is not None else scales  # unread when HAS_BIAS is off
     asm = mode != FP32 and not _interpreting()
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.max_registers:
         launch["maxnreg"] = plan.max_registers
-    # PDL (trtc.plugins.pdl) for decode launches only: prefill launches lost with it (measured:
+    # PDL (trtc.plugins.kernels.pdl) for decode launches only: prefill launches lost with it (measured:
     # 48 against 36 us at 256 tokens on [4096, 4096]; presumably their programs, placed while the
     # previous kernel still holds the SMs, are spread unevenly).
     pdl_launch = pdl.launch_options(x.device) if tokens <= 16 else {"PDL": False}
@@ -805,14 +1104,40 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         if gps * group_size >= k:
             (gps, gb, gc), steps = row_pieces(groups), 0
         # The half2 path reads 32-bit words: whole words per row, aligned.
-        half2 = (plan.half2 and asm and mode == FP16 and k % 8 == 0
-                 and qweight.data_ptr() % 4 == 0 and x2.data_ptr() % 4 == 0)
+        half2 = (
+            plan.half2
+            and asm
+            and mode == FP16
+            and k % 8 == 0
+            and qweight.data_ptr() % 4 == 0
+            and x2.data_ptr() % 4 == 0
+        )
         _int4_rows[(triton.cdiv(n, plan.block_n),)](
-            x2.view(torch.int32) if half2 else x2, qweight.view(torch.int32) if half2 else qweight,
-            scales, zeros, bias_arg, y, tokens, n, k, k // 2, groups,
-            GROUP=group_size, ROWS=plan.block_n, GPS=gps, STEPS=steps, GB=gb, GC=gc,
-            BLOCK_T=triton.next_power_of_2(tokens), TOKENS=tokens, ASM=asm, HALF2=half2,
-            HAS_BIAS=bias is not None, EVICT_FIRST=plan.evict_first, **launch)
+            x2.view(torch.int32) if half2 else x2,
+            qweight.view(torch.int32) if half2 else qweight,
+            scales,
+            zeros,
+            bias_arg,
+            y,
+            tokens,
+            n,
+            k,
+            k // 2,
+            groups,
+            GROUP=group_size,
+            ROWS=plan.block_n,
+            GPS=gps,
+            STEPS=steps,
+            GB=gb,
+            GC=gc,
+            BLOCK_T=triton.next_power_of_2(tokens),
+            TOKENS=tokens,
+            ASM=asm,
+            HALF2=half2,
+            HAS_BIAS=bias is not None,
+            EVICT_FIRST=plan.evict_first,
+            **launch,
+        )
         return y.view(*x.shape[:-1], n)
     block_k = max(plan.block_k, group_size)
     split = NO_SPLIT
@@ -821,27 +1146,71 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     tiles = triton.cdiv(tokens, plan.block_t) * triton.cdiv(n, plan.block_n)
     if plan.split_k > 1:
         split = SPLIT_LAST_SUMS if plan.reduce == "last" else SPLIT_THEN_KERNEL
-        partial = workspace if workspace is not None else torch.empty(
-            plan.split_k * tokens * n, dtype=torch.float32, device=x.device)
-        if partial.dtype != torch.float32 or not partial.is_contiguous() \
-                or partial.numel() < plan.split_k * tokens * n:
-            raise ValueError(f"Int4Gemm: workspace must be contiguous fp32 with at least "
-                             f"{plan.split_k * tokens * n} elements")
+        partial = (
+            workspace
+            if workspace is not None
+            else torch.empty(plan.split_k * tokens * n, dtype=torch.float32, device=x.device)
+        )
+        if (
+            partial.dtype != torch.float32
+            or not partial.is_contiguous()
+            or partial.numel() < plan.split_k * tokens * n
+        ):
+            raise ValueError(
+                f"Int4Gemm: workspace must be contiguous fp32 with at least "
+                f"{plan.split_k * tokens * n} elements"
+            )
         if split == SPLIT_LAST_SUMS:
             counters = arrival_counters(x.device, tiles)
     grid = (tiles, plan.split_k)
     steps = triton.cdiv(k, block_k)
-    prefetch = (plan.prefetch and asm and _has_bulk_prefetch(x.device)
-                and (k // 2) % 16 == 0 and qweight.data_ptr() % 16 == 0)
-    _int4_dot[grid](x2, qweight, scales, zeros, bias_arg, y, partial, counters, tokens, n, k,
-                    k // 2, groups, -(-steps // plan.split_k), plan.split_k,
-                    GROUP=group_size, BLOCK_T=plan.block_t, BLOCK_N=plan.block_n, BLOCK_K=block_k,
-                    MODE=mode, ASM=asm, EVEN_K=k % block_k == 0,
-                    HAS_BIAS=bias is not None, SPLIT=split, PREFETCH=prefetch,
-                    EVICT_FIRST=plan.evict_first, **launch)
+    prefetch = (
+        plan.prefetch
+        and asm
+        and _has_bulk_prefetch(x.device)
+        and (k // 2) % 16 == 0
+        and qweight.data_ptr() % 16 == 0
+    )
+    _int4_dot[grid](
+        x2,
+        qweight,
+        scales,
+        zeros,
+        bias_arg,
+        y,
+        partial,
+        counters,
+        tokens,
+        n,
+        k,
+        k // 2,
+        groups,
+        -(-steps // plan.split_k),
+        plan.split_k,
+        GROUP=group_size,
+        BLOCK_T=plan.block_t,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=block_k,
+        MODE=mode,
+        ASM=asm,
+        EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        PREFETCH=prefetch,
+        EVICT_FIRST=plan.evict_first,
+        **launch,
+    )
     if split == SPLIT_THEN_KERNEL:
         block = 1024
-        _sum_splits[(triton.cdiv(tokens * n, block),)](partial, bias_arg, y, tokens, n,
-                                                       plan.split_k, HAS_BIAS=bias is not None,
-                                                       BLOCK=block, **pdl_launch)
+        _sum_splits[(triton.cdiv(tokens * n, block),)](
+            partial,
+            bias_arg,
+            y,
+            tokens,
+            n,
+            plan.split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            **pdl_launch,
+        )
     return y.view(*x.shape[:-1], n)

@@ -4,7 +4,7 @@ Every other implementation (Triton kernels, the TensorRT plugin, the TensorRT-RT
 is tested against this function. It is deliberately plain: one loop over sequences, fp32
 math, no tricks.
 
-Semantics for one step of a flattened batch (the step contract, see trtc.compiler.contract):
+Semantics for one step of a flattened batch (the step contract, see trtc.contract):
 
 * Tokens of all sequences lie along one axis ``T``. Sequence ``s`` owns tokens
   ``query_start_loc[s] : query_start_loc[s+1]`` (its new tokens: a prefill chunk or one decode
@@ -25,11 +25,12 @@ Semantics for one step of a flattened batch (the step contract, see trtc.compile
   build time). For any other cache dtype they must be 1 and the cache holds the values as they are
   (cast to the cache dtype).
 """
+
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0          # largest finite float8_e4m3fn value
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -47,24 +48,37 @@ def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
 def check_scales(kv_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
     if kv_dtype == torch.float8_e4m3fn:
         if not (k_scale > 0 and v_scale > 0):
-            raise ValueError(f"FP8 KV cache needs positive k_scale and v_scale, got {k_scale}, {v_scale}")
+            raise ValueError(
+                f"FP8 KV cache needs positive k_scale and v_scale, got {k_scale}, {v_scale}"
+            )
     elif k_scale != 1.0 or v_scale != 1.0:
-        raise ValueError(f"k_scale/v_scale ({k_scale}, {v_scale}) apply to an FP8 KV cache only; "
-                         f"this cache is {kv_dtype}")
+        raise ValueError(
+            f"k_scale/v_scale ({k_scale}, {v_scale}) apply to an FP8 KV cache only; "
+            f"this cache is {kv_dtype}"
+        )
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def write_kv(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Scatter new K/V rows ``[T, KV, D]`` into ``kv_cache[2, blocks, block_size, KV, D]``."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     kv_heads, head_dim = kv_cache.shape[-2:]
     kv_cache[0].view(-1, kv_heads, head_dim)[slots] = to_cache(key[valid], kv_cache.dtype, k_scale)
-    kv_cache[1].view(-1, kv_heads, head_dim)[slots] = to_cache(value[valid], kv_cache.dtype, v_scale)
+    kv_cache[1].view(-1, kv_heads, head_dim)[slots] = to_cache(
+        value[valid], kv_cache.dtype, v_scale
+    )
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                   context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[context_len, KV, D]`` of one sequence, in position order."""
     block_size, kv_heads, head_dim = kv_cache.shape[2:]
     num_blocks = -(-context_len // block_size)
@@ -74,7 +88,9 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
     return keys, values
 
 
-def causal_mask(query_positions: torch.Tensor, context_len: int, sliding_window: int) -> torch.Tensor:
+def causal_mask(
+    query_positions: torch.Tensor, context_len: int, sliding_window: int
+) -> torch.Tensor:
     """``[n_new, context_len]`` bool: may query at position i see key position j."""
     key_positions = torch.arange(context_len)
     mask = key_positions[None, :] <= query_positions[:, None]
@@ -83,12 +99,24 @@ def causal_mask(query_positions: torch.Tensor, context_len: int, sliding_window:
     return mask
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-                    head_dim: int, scale: float, sliding_window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """query ``[T, H*D]``, key/value ``[T, KV*D]``, kv_cache ``[2, blocks, block_size, KV, D]``.
 
     Returns ``(attn_out [T, H*D] in query's dtype, kv_cache)``.
@@ -98,8 +126,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     check_scales(kv_cache.dtype, k_scale, v_scale)
     num_tokens = query.shape[0]
     group = num_heads // num_kv_heads
-    write_kv(kv_cache, key.view(num_tokens, num_kv_heads, head_dim),
-             value.view(num_tokens, num_kv_heads, head_dim), slot_mapping, k_scale, v_scale)
+    write_kv(
+        kv_cache,
+        key.view(num_tokens, num_kv_heads, head_dim),
+        value.view(num_tokens, num_kv_heads, head_dim),
+        slot_mapping,
+        k_scale,
+        v_scale,
+    )
 
     q = query.view(num_tokens, num_heads, head_dim).float()
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32)
@@ -112,7 +146,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if n_new > context_len:
             raise ValueError(f"sequence {s}: {n_new} new tokens but context_len {context_len}")
         keys, values = gather_context(kv_cache, block_tables[s], context_len)
-        keys = from_cache(keys, k_scale).repeat_interleave(group, dim=1)      # [L, H, D]
+        keys = from_cache(keys, k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
         values = from_cache(values, v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[begin:end], keys) * scale
         positions = torch.arange(context_len - n_new, context_len)

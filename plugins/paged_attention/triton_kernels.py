@@ -15,9 +15,10 @@ Kernels:
 Which sequence a query tile belongs to is found in the kernel by a binary search over
 ``query_start_loc``, so the launch depends only on tensor shapes, never on their values: the step
 can be captured in a CUDA graph. All three launch with programmatic dependent launch where the GPU
-has it (`trtc.plugins.pdl`; every access is to data an earlier kernel may write, so each waits
+has it (`trtc.plugins.kernels.pdl`; every access is to data an earlier kernel may write, so each waits
 first).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.plugins import pdl
-from trtc.plugins.arrival_counters import arrival_counters
+from trtc.plugins.kernels import pdl
+from trtc.plugins.kernels.arrival_counters import arrival_counters
 from trtc.plugins.paged_attention.reference import check_scales
 
 
@@ -40,12 +41,12 @@ def round_to_e4m3(y):
     any backend, and interpreter and GPU both store torch's bytes."""
     y = tl.clamp(y, -448.0, 448.0)
     exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(exponent, -6) - 3                       # E4M3 spacing 2^e (subnormals: 2^-9)
+    e = tl.maximum(exponent, -6) - 3  # E4M3 spacing 2^e (subnormals: 2^-9)
     step = ((e + 127) << 23).to(tl.float32, bitcast=True)
     inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    v = y * inv_step                                       # exact; |v| < 16
-    r = (v + 12582912.0) - 12582912.0                      # + 1.5 * 2^23: rounds half to even
-    return tl.where(r == 0.0, y * 0.0, r * step)           # y * 0 keeps the sign of zero
+    v = y * inv_step  # exact; |v| < 16
+    r = (v + 12582912.0) - 12582912.0  # + 1.5 * 2^23: rounds half to even
+    return tl.where(r == 0.0, y * 0.0, r * step)  # y * 0 keeps the sign of zero
 
 
 @triton.jit
@@ -61,8 +62,19 @@ def to_cache(x, scale, ty: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _write_kv(key_ptr, value_ptr, cache_ptr, slot_ptr, cache_kv_stride, k_scale, v_scale,
-              ROW: tl.constexpr, ROW_P2: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+def _write_kv(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    cache_kv_stride,
+    k_scale,
+    v_scale,
+    ROW: tl.constexpr,
+    ROW_P2: tl.constexpr,
+    FP8: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.begin(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
@@ -95,14 +107,36 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention(
-    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    num_seqs, max_blocks, cache_kv_stride, scale, v_scale, sliding_window,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_Q: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    MERGE_LAST: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    counter_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    max_blocks,
+    cache_kv_stride,
+    scale,
+    v_scale,
+    sliding_window,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_Q: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    MERGE_LAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
     # HEADS_FIRST: the KV heads of one (tile, split) are neighbouring programs, so the rows of a
@@ -121,9 +155,9 @@ def _paged_attention(
         q_begin = tl.load(query_start_loc_ptr + seq)
         q_end = tl.load(query_start_loc_ptr + seq + 1)
         first_tile = q_begin // TILE_Q + seq
-        q_start = q_begin + (tile - first_tile) * TILE_Q       # first token of this tile
+        q_start = q_begin + (tile - first_tile) * TILE_Q  # first token of this tile
         if q_start >= q_end:
-            return                                              # a spare tile of this sequence
+            return  # a spare tile of this sequence
     context_len = tl.load(context_lens_ptr + seq)
     num_new = q_end - q_begin
 
@@ -132,11 +166,14 @@ def _paged_attention(
     row_token = q_start + rows // GROUP
     row_head = kv_head * GROUP + rows % GROUP
     row_valid = (rows < TILE_Q * GROUP) & (row_token < q_end)
-    row_pos = context_len - num_new + (row_token - q_begin)     # absolute position of each query
+    row_pos = context_len - num_new + (row_token - q_begin)  # absolute position of each query
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],
-                mask=row_valid[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],
+        mask=row_valid[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
 
     # Keys this tile may see: up to the last query's position, from the first query's window.
     last_pos = tl.minimum(context_len - num_new + (q_start - q_begin) + TILE_Q, context_len)
@@ -169,29 +206,37 @@ def _paged_attention(
             visible &= pos[None, :] > row_pos[:, None] - sliding_window
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION).to(
+            tl.float32
+        )
         m_i = m_new
 
-    acc = acc * v_scale                                         # an FP8 cache's V scale (else 1)
+    acc = acc * v_scale  # an FP8 cache's V scale (else 1)
     out_rows = row_token[:, None] * NUM_HEADS + row_head[:, None]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + out_rows * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None] & dim_ok[None, :])
+        tl.store(
+            out_ptr + out_rows * HEAD_DIM + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_ok[None, :],
+        )
     else:
         part = (row_token * NUM_HEADS + row_head) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :], acc,
-                 mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM_P2))
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :],
+            acc,
+            mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM_P2),
+        )
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
         if MERGE_LAST:
             # The last split of this (tile, KV head) to finish merges them all (no second launch;
-            # see plugins/arrival_counters.py). Every thread's stores precede the arrival.
+            # see plugins/kernels/arrival_counters.py). Every thread's stores precede the arrival.
             tl.debug_barrier()
             group = tile * NUM_KV_HEADS + kv_head
             arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
@@ -204,30 +249,59 @@ def _paged_attention(
                 m_max = tl.full([TILE_M], float("-inf"), tl.float32)
                 for s in range(used):
                     # .cg: read L2, not a stale L1 line of an earlier launch.
-                    m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (first + s) * 2, mask=row_valid,
-                                                      other=float("-inf"), cache_modifier=".cg"))
+                    m_max = tl.maximum(
+                        m_max,
+                        tl.load(
+                            part_ml_ptr + (first + s) * 2,
+                            mask=row_valid,
+                            other=float("-inf"),
+                            cache_modifier=".cg",
+                        ),
+                    )
                 m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
                 total = tl.zeros([TILE_M], tl.float32)
                 merged = tl.zeros([TILE_M, HEAD_DIM_P2], tl.float32)
-                for s in range(used):           # split order, as `_combine`
-                    m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_valid, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_valid, other=0.0,
-                                  cache_modifier=".cg")
+                for s in range(used):  # split order, as `_combine`
+                    m_s = tl.load(
+                        part_ml_ptr + (first + s) * 2,
+                        mask=row_valid,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    l_s = tl.load(
+                        part_ml_ptr + (first + s) * 2 + 1,
+                        mask=row_valid,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
                     w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
-                    a_s = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM_P2 + dims[None, :],
-                                  mask=out_mask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(
+                        part_acc_ptr + (first + s)[:, None] * HEAD_DIM_P2 + dims[None, :],
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
                     total += w * l_s
                     merged += a_s * w[:, None]
                 out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-                tl.store(out_ptr + out_rows * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                         mask=out_mask)
-                tl.atomic_xchg(counter_ptr + group, 0)      # ready for the next launch
+                tl.store(
+                    out_ptr + out_rows * HEAD_DIM + dims[None, :],
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=out_mask,
+                )
+                tl.atomic_xchg(counter_ptr + group, 0)  # ready for the next launch
 
 
 @triton.jit
-def _combine(part_acc_ptr, part_ml_ptr, out_ptr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-             NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _combine(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Merge the splits of one (token, head) row: softmax-weighted sum of the partial results."""
     pdl.begin(PDL)
     row = tl.program_id(0)
@@ -241,7 +315,9 @@ def _combine(part_acc_ptr, part_ml_ptr, out_ptr, HEAD_DIM: tl.constexpr, HEAD_DI
     acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM_P2 + dims[None, :])
     total = tl.sum(w * l, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
+    )
 
 
 MERGE_LAST_MAX_SPLITS = 4
@@ -255,7 +331,7 @@ def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms:
     """Launch shape from tensor shapes only. Decode-only steps (one token per sequence) get
     single-token tiles and a context split large enough to fill the GPU."""
     group = num_heads // num_kv_heads
-    decode = num_tokens == num_seqs           # every scheduled sequence has >= 1 new token
+    decode = num_tokens == num_seqs  # every scheduled sequence has >= 1 new token
     tile_q = 1 if decode else max(1, 64 // group)
     tile_m = max(16, _pow2(tile_q * group))
     tiles = num_seqs if decode else num_tokens // tile_q + num_seqs
@@ -268,11 +344,31 @@ def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms:
     return {"tile_q": tile_q, "tile_m": tile_m, "tiles": tiles, "splits": splits, "decode": decode}
 
 
-def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, context_lens,
-                    query_start_loc, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                    scale: float, sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                    tile_k: int = 64, num_splits: int | None = None, num_warps: int = 2, num_stages: int = 3,
-                    heads_first: bool = True, write_kv: bool = True, merge: str = "auto"):
+def paged_attention(
+    query,
+    key,
+    value,
+    kv_cache,
+    slot_mapping,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    tile_k: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 2,
+    num_stages: int = 3,
+    heads_first: bool = True,
+    write_kv: bool = True,
+    merge: str = "auto",
+):
     """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place.
     An FP8 cache is read as E4M3 values converted to the query dtype (exact: every E4M3 value is
     an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output."""
@@ -287,33 +383,77 @@ def paged_attention(query, key, value, kv_cache, slot_mapping, block_tables, con
     cache_kv_stride = kv_cache.stride(0)
     launch = pdl.launch_options(query.device)
     if write_kv:
-        _write_kv[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping, cache_kv_stride,
-                                 k_scale, v_scale, ROW=row, ROW_P2=_pow2(row), FP8=fp8, **launch)
+        _write_kv[(num_tokens,)](
+            key.contiguous(),
+            value.contiguous(),
+            kv_cache,
+            slot_mapping,
+            cache_kv_stride,
+            k_scale,
+            v_scale,
+            ROW=row,
+            ROW_P2=_pow2(row),
+            FP8=fp8,
+            **launch,
+        )
     p = plan(num_tokens, num_seqs, num_heads, num_kv_heads)
     splits = num_splits or p["splits"]
     out = torch.empty_like(query)
     d_p2 = _pow2(head_dim)
     if splits > 1:
-        part_acc = torch.empty(num_tokens * num_heads * splits, d_p2, dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(num_tokens * num_heads * splits, 2, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(
+            num_tokens * num_heads * splits, d_p2, dtype=torch.float32, device=query.device
+        )
+        part_ml = torch.empty(
+            num_tokens * num_heads * splits, 2, dtype=torch.float32, device=query.device
+        )
     else:
-        part_acc = part_ml = out      # unused
+        part_acc = part_ml = out  # unused
     # merge: "last" = the last split of each group merges the partial results (no second launch),
     # "kernel" = the `_combine` kernel does, "auto" = "last" up to MERGE_LAST_MAX_SPLITS splits.
     # Measured on the H200 (docs/gpu-kernels.md): batch 64, 4 splits: 49.9 us against 50.7 us;
     # batch 1, 16 splits: 8.3 us against 3.6 + 1.35 us (the last program reads 16 partials).
-    merge_last = splits > 1 and (merge == "last" or (merge == "auto" and splits <= MERGE_LAST_MAX_SPLITS))
+    merge_last = splits > 1 and (
+        merge == "last" or (merge == "auto" and splits <= MERGE_LAST_MAX_SPLITS)
+    )
     counters = arrival_counters(query.device, p["tiles"] * num_kv_heads) if merge_last else out
     grid = (num_kv_heads, p["tiles"], splits) if heads_first else (p["tiles"], num_kv_heads, splits)
     _paged_attention[grid](
-        query.contiguous(), kv_cache, out, part_acc, part_ml, counters, block_tables, context_lens, query_start_loc,
-        num_seqs, block_tables.shape[1], cache_kv_stride, scale * k_scale, v_scale, sliding_window,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=block_size, TILE_Q=p["tile_q"],
-        TILE_M=p["tile_m"], TILE_K=tile_k, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DECODE=p["decode"], HEADS_FIRST=heads_first,
-        MERGE_LAST=merge_last, num_warps=num_warps, num_stages=num_stages, **launch)
+        query.contiguous(),
+        kv_cache,
+        out,
+        part_acc,
+        part_ml,
+        counters,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        num_seqs,
+        block_tables.shape[1],
+        cache_kv_stride,
+        scale * k_scale,
+        v_scale,
+        sliding_window,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=d_p2,
+        BLOCK_SIZE=block_size,
+        TILE_Q=p["tile_q"],
+        TILE_M=p["tile_m"],
+        TILE_K=tile_k,
+        NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DECODE=p["decode"],
+        HEADS_FIRST=heads_first,
+        MERGE_LAST=merge_last,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **launch,
+    )
     if splits > 1 and not merge_last:
-        _combine[(num_tokens * num_heads,)](part_acc, part_ml, out, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2,
-                                            NUM_SPLITS=splits, **launch)
+        _combine[(num_tokens * num_heads,)](
+            part_acc, part_ml, out, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, NUM_SPLITS=splits, **launch
+        )
     return out, kv_cache

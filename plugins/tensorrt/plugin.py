@@ -8,6 +8,7 @@ TensorRT-RTX runs no custom plugins. Everything a plugin decides comes from `rul
 ``enqueue`` wraps TensorRT's device pointers as torch tensors and calls the plugin's torch entry
 point (Triton kernels on CUDA tensors) on TensorRT's stream.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,15 +21,22 @@ from trtc.plugins import PLUGINS
 from trtc.plugins.spec import DOMAIN, PluginSpec
 from trtc.plugins.tensorrt import rules
 
-_registered: dict[tuple[int, str], Any] = {}   # (id of the TensorRT module, op type) -> creator, kept alive
+_registered: dict[
+    tuple[int, str], Any
+] = {}  # (id of the TensorRT module, op type) -> creator, kept alive
 
 
 class _DeviceBytes:
     """``nbytes`` of device memory at ``ptr``, as torch can adopt it (__cuda_array_interface__)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (int(ptr), False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (int(ptr), False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def device_tensor(ptr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -40,7 +48,9 @@ def device_tensor(ptr: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     return raw.view(dtype).view(shape)
 
 
-def run_plugin(spec: PluginSpec, attrs: dict, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+def run_plugin(
+    spec: PluginSpec, attrs: dict, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+) -> None:
     """One plugin call on tensors: the entry point's results go into ``outputs``; an output that
     aliases its input (the KV cache) was written in place and is only copied if TensorRT gave it
     its own buffer."""
@@ -64,7 +74,9 @@ def _dtype_name(trt_dtype) -> str:
 def plugin_classes(trt) -> tuple[type, type]:
     """``(Plugin, Creator)`` for one TensorRT module; both take the `PluginSpec` they implement."""
 
-    class Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime):
+    class Plugin(
+        trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime
+    ):
         def __init__(self, spec: PluginSpec, attrs: dict, phase=None):
             trt.IPluginV3.__init__(self)
             trt.IPluginV3OneCore.__init__(self)
@@ -77,7 +89,7 @@ def plugin_classes(trt) -> tuple[type, type]:
             self.num_outputs = len(spec.outputs)
             described = ",".join(f"{k}={v}" for k, v in self.attrs.items())
             self.metadata_string = f"{spec.qualified_name}({described})"
-            self.timing_cache_id = self.metadata_string   # same attributes, same timings
+            self.timing_cache_id = self.metadata_string  # same attributes, same timings
             self._serialized = None
 
         # --- core -------------------------------------------------------------------------
@@ -94,16 +106,20 @@ def plugin_classes(trt) -> tuple[type, type]:
         def configure_plugin(self, inp, out):
             n = len(inp)
             if not rules.num_required_inputs(self.spec) <= n <= len(self.spec.inputs):
-                raise ValueError(f"{self.spec.qualified_name}: {n} inputs, expected "
-                                 f"{', '.join(self.spec.inputs)}")
+                raise ValueError(
+                    f"{self.spec.qualified_name}: {n} inputs, expected "
+                    f"{', '.join(self.spec.inputs)}"
+                )
 
         def get_output_data_types(self, input_types):
             return rules.output_dtypes(self.spec, list(input_types))
 
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
             shapes = [[d[i] for i in range(len(d))] for d in inputs]
-            return [trt.DimsExprs(s) for s in rules.output_shapes(self.spec, self.attrs, shapes,
-                                                                 expr_builder.constant)]
+            return [
+                trt.DimsExprs(s)
+                for s in rules.output_shapes(self.spec, self.attrs, shapes, expr_builder.constant)
+            ]
 
         def supports_format_combination(self, pos, in_out, num_inputs):
             if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
@@ -123,12 +139,14 @@ def plugin_classes(trt) -> tuple[type, type]:
         # --- runtime ----------------------------------------------------------------------
         def get_fields_to_serialize(self):
             # The arrays stay referenced by the plugin: the collection only points at them.
-            self._serialized = [trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
-                                for name, data, kind in rules.field_values(self.spec, self.attrs)]
+            self._serialized = [
+                trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
+                for name, data, kind in rules.field_values(self.spec, self.attrs)
+            ]
             return trt.PluginFieldCollection(self._serialized)
 
         def on_shape_change(self, inp, out):
-            pass           # nothing is precomputed per shape: enqueue reads its descriptors
+            pass  # nothing is precomputed per shape: enqueue reads its descriptors
 
         def set_tactic(self, tactic):
             pass
@@ -137,10 +155,18 @@ def plugin_classes(trt) -> tuple[type, type]:
             return self.clone()
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            ins = [device_tensor(ptr, tuple(d.dims), rules.TORCH_DTYPES[rules.op_side(self.spec, i, _dtype_name(d.type))])
-                   for i, (d, ptr) in enumerate(zip(input_desc, inputs))]
-            outs = [device_tensor(ptr, tuple(d.dims), rules.TORCH_DTYPES[_dtype_name(d.type)])
-                    for d, ptr in zip(output_desc, outputs)]
+            ins = [
+                device_tensor(
+                    ptr,
+                    tuple(d.dims),
+                    rules.TORCH_DTYPES[rules.op_side(self.spec, i, _dtype_name(d.type))],
+                )
+                for i, (d, ptr) in enumerate(zip(input_desc, inputs))
+            ]
+            outs = [
+                device_tensor(ptr, tuple(d.dims), rules.TORCH_DTYPES[_dtype_name(d.type)])
+                for d, ptr in zip(output_desc, outputs)
+            ]
             with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                 run_plugin(self.spec, self.attrs, ins, outs)
 
@@ -151,12 +177,16 @@ def plugin_classes(trt) -> tuple[type, type]:
             self.name = spec.op_type
             self.plugin_version = str(spec.version)
             self.plugin_namespace = DOMAIN
-            self._fields = [trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
-                            for name, data, kind in rules.field_values(spec)]
+            self._fields = [
+                trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
+                for name, data, kind in rules.field_values(spec)
+            ]
             self.field_names = trt.PluginFieldCollection(self._fields)
 
         def create_plugin(self, name, field_collection, phase):
-            return Plugin(self.spec, rules.parse_fields(self.spec, _field_dict(trt, field_collection)), phase)
+            return Plugin(
+                self.spec, rules.parse_fields(self.spec, _field_dict(trt, field_collection)), phase
+            )
 
     return Plugin, Creator
 
@@ -165,7 +195,9 @@ def create_plugin(trt, op_type: str, attrs: dict, phase=None):
     """A plugin object straight from attributes (checked as fields would be)."""
     plugin_cls, _ = plugin_classes(trt)
     spec = PLUGINS[op_type]
-    return plugin_cls(spec, rules.parse_fields(spec, rules.fields_from_attributes(spec, attrs)), phase)
+    return plugin_cls(
+        spec, rules.parse_fields(spec, rules.fields_from_attributes(spec, attrs)), phase
+    )
 
 
 def register_plugins(trt) -> list:
@@ -178,7 +210,9 @@ def register_plugins(trt) -> list:
             continue
         creator = creator_cls(spec)
         if not registry.register_creator(creator, DOMAIN):
-            raise RuntimeError(f"TensorRT refused to register the {spec.qualified_name} plugin creator")
+            raise RuntimeError(
+                f"TensorRT refused to register the {spec.qualified_name} plugin creator"
+            )
         _registered[key] = creator
     return [c for (mod, _), c in _registered.items() if mod == id(trt)]
 

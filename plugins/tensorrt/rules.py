@@ -6,6 +6,7 @@ reference ops on real tensors, where no TensorRT builder is needed.
 
 Dtypes are named as in the manifest (``fp32``, ``fp16``, ``bf16``, ``fp8``, ``int64``, ...).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,19 +23,37 @@ import torch
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import PluginSpec
 
-D = TypeVar("D")   # a dimension: an int here, a TensorRT IDimensionExpr in get_output_shapes
+D = TypeVar("D")  # a dimension: an int here, a TensorRT IDimensionExpr in get_output_shapes
 
 FLOATS = ("fp32", "fp16", "bf16")
 
 # The dtypes each input may have: a tuple of names, or the name of an earlier input whose dtype
 # it shares. Keyed by the specs' own input names (checked below).
 INPUT_DTYPES: dict[str, dict[str, tuple[str, ...] | str]] = {
-    "PagedAttention": {"query": FLOATS, "key": "query", "value": "query", "kv_cache": FLOATS + ("fp8",),
-                       "slot_mapping": ("int64",), "block_tables": ("int32",),
-                       "context_lens": ("int32",), "query_start_loc": ("int32",)},
-    "Int4Gemm": {"x": FLOATS, "qweight": ("uint8",), "scales": "x", "zeros": ("uint8",), "bias": "x"},
-    "Fp8Gemm": {"x": FLOATS, "weight": ("fp8",), "weight_scale": ("fp32",), "input_scale": ("fp32",),
-                "bias": "x"},
+    "PagedAttention": {
+        "query": FLOATS,
+        "key": "query",
+        "value": "query",
+        "kv_cache": FLOATS + ("fp8",),
+        "slot_mapping": ("int64",),
+        "block_tables": ("int32",),
+        "context_lens": ("int32",),
+        "query_start_loc": ("int32",),
+    },
+    "Int4Gemm": {
+        "x": FLOATS,
+        "qweight": ("uint8",),
+        "scales": "x",
+        "zeros": ("uint8",),
+        "bias": "x",
+    },
+    "Fp8Gemm": {
+        "x": FLOATS,
+        "weight": ("fp8",),
+        "weight_scale": ("fp32",),
+        "input_scale": ("fp32",),
+        "bias": "x",
+    },
 }
 # Each output takes the dtype of this input.
 OUTPUT_DTYPES: dict[str, dict[str, str]] = {
@@ -45,18 +64,40 @@ OUTPUT_DTYPES: dict[str, dict[str, str]] = {
 # TensorRT plugins take no uint8 tensors (PluginTensorDesc: "kBOOL and kUINT8 are not supported"):
 # the TensorRT graph carries them as int8, the same bytes, and the plugin views them as uint8 again.
 CARRIED_AS = {"uint8": "int8"}
-NON_NEGATIVE = {"sliding_window"}       # 0 = no window; every other number must be positive
-FIELD_TYPES = {int: ("INT32", np.int32), float: ("FLOAT32", np.float32)}   # PluginFieldType member, array dtype
+NON_NEGATIVE = {"sliding_window"}  # 0 = no window; every other number must be positive
+FIELD_TYPES = {
+    int: ("INT32", np.int32),
+    float: ("FLOAT32", np.float32),
+}  # PluginFieldType member, array dtype
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-                "fp8": torch.float8_e4m3fn, "int64": torch.int64, "int32": torch.int32,
-                "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+TORCH_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-TRT_DTYPE_NAMES = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "FP8": "fp8", "INT64": "int64",
-                   "INT32": "int32", "INT8": "int8", "UINT8": "uint8", "BOOL": "bool"}
+TRT_DTYPE_NAMES = {
+    "FLOAT": "fp32",
+    "HALF": "fp16",
+    "BF16": "bf16",
+    "FP8": "fp8",
+    "INT64": "int64",
+    "INT32": "int32",
+    "INT8": "int8",
+    "UINT8": "uint8",
+    "BOOL": "bool",
+}
 
-for _op, _spec in PLUGINS.items():      # the tables above name exactly the specs' tensors
-    assert tuple(INPUT_DTYPES[_op]) == _spec.inputs and tuple(OUTPUT_DTYPES[_op]) == _spec.outputs, _op
+for _op, _spec in PLUGINS.items():  # the tables above name exactly the specs' tensors
+    assert (
+        tuple(INPUT_DTYPES[_op]) == _spec.inputs and tuple(OUTPUT_DTYPES[_op]) == _spec.outputs
+    ), _op
 
 
 class PluginFieldError(ValueError):
@@ -86,8 +127,11 @@ def _parameters(spec: PluginSpec) -> Mapping[str, inspect.Parameter]:
 def field_defaults(spec: PluginSpec) -> dict[str, Any]:
     """Attributes the entry point gives a default (a node exported before they existed may lack them)."""
     params = _parameters(spec)
-    return {k: params[k].default for k in spec.attributes
-            if k in params and params[k].default is not inspect.Parameter.empty}
+    return {
+        k: params[k].default
+        for k in spec.attributes
+        if k in params and params[k].default is not inspect.Parameter.empty
+    }
 
 
 def num_required_inputs(spec: PluginSpec) -> int:
@@ -103,14 +147,17 @@ def parse_fields(spec: PluginSpec, fields: Mapping[str, tuple[str, Any]]) -> dic
     who = spec.qualified_name
     unknown = sorted(set(fields) - set(spec.attributes))
     if unknown:
-        raise PluginFieldError(f"{who}: unknown field(s) {', '.join(unknown)} "
-                               f"(fields: {', '.join(spec.attributes)})")
+        raise PluginFieldError(
+            f"{who}: unknown field(s) {', '.join(unknown)} (fields: {', '.join(spec.attributes)})"
+        )
     defaults = field_defaults(spec)
     attrs: dict[str, Any] = {}
     for name, kind in spec.attributes.items():
         if name not in fields:
             if name not in defaults:
-                raise PluginFieldError(f"{who}: field {name} is missing (fields: {', '.join(spec.attributes)})")
+                raise PluginFieldError(
+                    f"{who}: field {name} is missing (fields: {', '.join(spec.attributes)})"
+                )
             attrs[name] = kind(defaults[name])
             continue
         type_name, data = fields[name]
@@ -129,17 +176,24 @@ def check_attributes(spec: PluginSpec, attrs: Mapping[str, Any]) -> None:
     who = spec.qualified_name
     for name, value in attrs.items():
         if not math.isfinite(value) or value < 0 or (value == 0 and name not in NON_NEGATIVE):
-            raise PluginFieldError(f"{who}: field {name} is {value}, expected a "
-                                   f"{'non-negative' if name in NON_NEGATIVE else 'positive'} number")
+            raise PluginFieldError(
+                f"{who}: field {name} is {value}, expected a "
+                f"{'non-negative' if name in NON_NEGATIVE else 'positive'} number"
+            )
     if spec.op_type == "PagedAttention" and attrs["num_heads"] % attrs["num_kv_heads"]:
-        raise PluginFieldError(f"{who}: num_heads {attrs['num_heads']} is not a multiple of "
-                               f"num_kv_heads {attrs['num_kv_heads']}")
+        raise PluginFieldError(
+            f"{who}: num_heads {attrs['num_heads']} is not a multiple of "
+            f"num_kv_heads {attrs['num_kv_heads']}"
+        )
     if spec.op_type == "Int4Gemm" and attrs["in_features"] % 2:
-        raise PluginFieldError(f"{who}: in_features {attrs['in_features']} is odd (two 4-bit "
-                               f"weights share a byte)")
+        raise PluginFieldError(
+            f"{who}: in_features {attrs['in_features']} is odd (two 4-bit weights share a byte)"
+        )
 
 
-def field_values(spec: PluginSpec, attrs: Mapping[str, Any] | None = None) -> list[tuple[str, np.ndarray, str]]:
+def field_values(
+    spec: PluginSpec, attrs: Mapping[str, Any] | None = None
+) -> list[tuple[str, np.ndarray, str]]:
     """``(name, array, PluginFieldType member name)`` per attribute in spec order: one value each
     from ``attrs``, or empty arrays (a creator's field list) when ``attrs`` is None."""
     out = []
@@ -149,11 +203,18 @@ def field_values(spec: PluginSpec, attrs: Mapping[str, Any] | None = None) -> li
     return out
 
 
-def fields_from_attributes(spec: PluginSpec, attrs: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+def fields_from_attributes(
+    spec: PluginSpec, attrs: Mapping[str, Any]
+) -> dict[str, tuple[str, Any]]:
     """Fields as the ONNX parser hands a node's attributes over: each converted to the type the
     creator declares for it (names the spec does not know are kept, typed UNKNOWN)."""
-    return {name: (FIELD_TYPES[spec.attributes[name]][0] if name in spec.attributes else "UNKNOWN", value)
-            for name, value in attrs.items()}
+    return {
+        name: (
+            FIELD_TYPES[spec.attributes[name]][0] if name in spec.attributes else "UNKNOWN",
+            value,
+        )
+        for name, value in attrs.items()
+    }
 
 
 def output_dtypes(spec: PluginSpec, input_dtypes: Sequence[D]) -> list[D]:
@@ -161,8 +222,12 @@ def output_dtypes(spec: PluginSpec, input_dtypes: Sequence[D]) -> list[D]:
     return [input_dtypes[spec.inputs.index(src)] for src in OUTPUT_DTYPES[spec.op_type].values()]
 
 
-def output_shapes(spec: PluginSpec, attrs: Mapping[str, Any], input_shapes: Sequence[Sequence[D]],
-                  constant: Callable[[int], D] = int) -> list[list[D]]:
+def output_shapes(
+    spec: PluginSpec,
+    attrs: Mapping[str, Any],
+    input_shapes: Sequence[Sequence[D]],
+    constant: Callable[[int], D] = int,
+) -> list[list[D]]:
     """Output shapes from the input shapes: each dimension is an input's dimension or a
     ``constant(attribute)``, so the same rule runs on ints and on TensorRT expressions."""
     shape = {name: list(s) for name, s in zip(spec.inputs, input_shapes)}
@@ -179,7 +244,9 @@ def aliased_input(spec: PluginSpec, output_index: int) -> int:
     return spec.inputs.index(src) if src else -1
 
 
-def allowed_input_dtypes(spec: PluginSpec, index: int, input_dtypes: Sequence[str]) -> tuple[str, ...]:
+def allowed_input_dtypes(
+    spec: PluginSpec, index: int, input_dtypes: Sequence[str]
+) -> tuple[str, ...]:
     """The dtypes (op-side names) input ``index`` may have given the earlier inputs' dtypes."""
     rule = INPUT_DTYPES[spec.op_type][spec.inputs[index]]
     return (input_dtypes[spec.inputs.index(rule)],) if isinstance(rule, str) else rule
@@ -205,8 +272,12 @@ def supports(spec: PluginSpec, pos: int, num_inputs: int, trt_dtypes: Sequence[s
     TensorRT-side dtypes of positions ``0..pos`` (later ones are undefined when it asks)."""
     if not num_required_inputs(spec) <= num_inputs <= len(spec.inputs):
         return False
-    op = [op_side(spec, i, d) for i, d in enumerate(trt_dtypes[:min(pos + 1, num_inputs)])]
+    op = [op_side(spec, i, d) for i, d in enumerate(trt_dtypes[: min(pos + 1, num_inputs)])]
     if pos < num_inputs:
-        return op[pos] in allowed_input_dtypes(spec, pos, op) and trt_side(op[pos]) == trt_dtypes[pos]
-    want = output_dtypes(spec, [trt_dtypes[i] for i in range(num_inputs)] + [None] * (len(spec.inputs) - num_inputs))
+        return (
+            op[pos] in allowed_input_dtypes(spec, pos, op) and trt_side(op[pos]) == trt_dtypes[pos]
+        )
+    want = output_dtypes(
+        spec, [trt_dtypes[i] for i in range(num_inputs)] + [None] * (len(spec.inputs) - num_inputs)
+    )
     return trt_dtypes[pos] == want[pos - num_inputs]

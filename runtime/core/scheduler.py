@@ -1,0 +1,261 @@
+"""In-flight batching with chunked prefill, as vLLM v1 does it.
+
+Each step has a token budget. Running sequences are served first (a decode token each, or the next
+chunk of a prompt still being prefilled), then waiting sequences are admitted in arrival order, a
+long prompt taking as much of the budget as is left. So one step mixes prefill chunks and decode
+tokens, and a short request never waits for a long one to finish.
+
+When the pool has no block left for a running sequence, the most recently admitted sequences are
+preempted: their blocks are freed and they go back to the front of the queue, to be recomputed
+(prompt and generated tokens alike) once there is room. No request fails for lack of cache, because
+``add`` only accepts requests that fit the pool alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from trtc.contract import SequenceWork
+from trtc.runtime.core.block_manager import BlockManager
+from trtc.runtime.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: each sequence with how many of its uncomputed tokens it runs (in step order)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Whether the step reaches the end of the sequence's tokens, so its logits give the next token
+    # (False for a prefill chunk that is not the last). Fixed at schedule time.
+    samples: list[bool] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Scheduled ahead (`Scheduler.schedule_ahead`): row i decodes the token the previous step
+    # samples for row i, which the host has not seen yet (the executor takes it on the device).
+    ahead: bool = False
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.samples.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+
+    def __iter__(self) -> Iterator[tuple[Sequence, int]]:
+        return iter(zip(self.seqs, self.num_new_tokens))
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def to_work(self) -> list[SequenceWork]:
+        """The step contract's input (call before ``postprocess``, which advances the sequences).
+        A step scheduled ahead holds a placeholder input token per row, at the position after
+        the sequence's last known token."""
+        if self.ahead:
+            return [SequenceWork([0], seq.num_tokens, list(seq.block_table)) for seq in self.seqs]
+        return [seq.to_work(n) for seq, n in self]
+
+    def has_running(self) -> bool:
+        return any(seq.status is SequenceStatus.RUNNING for seq in self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_id: int | Iterable[int] | None = None,
+        long_prefill_threshold: int = 0,
+    ):
+        """``long_prefill_threshold`` caps one sequence's prefill chunk per step (0 = no cap), so
+        that a long prompt leaves room in the budget for others to start."""
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_threshold < 0:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
+                f"{max_num_batched_tokens} must be >= 1, long_prefill_threshold="
+                f"{long_prefill_threshold} >= 0"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_threshold = long_prefill_threshold
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_token_ids = frozenset(eos_token_id)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the first preempted
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request. ValueError if its params are invalid, its id is in use, or it could
+        never fit the pool, even alone."""
+        seq.params.validate()
+        if any(s.request_id == seq.request_id for s in (*self.waiting, *self.running)):
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        # Every token but the last sampled one is fed back, so its K/V need a slot.
+        max_len = seq.num_prompt_tokens + seq.params.max_tokens - 1
+        bm = self.block_manager
+        if bm.blocks_for(max_len) > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.params.max_tokens}) needs {bm.blocks_for(max_len)} KV blocks of "
+                f"{bm.block_size} tokens, but the whole pool has {bm.num_blocks}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running sequences, oldest first. When one cannot grow, the newest give way to it.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.ensure_capacity(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, n)
+                budget -= n
+                i += 1
+                continue
+            break  # seq preempted itself: it was the last running one
+
+        # 2. Waiting sequences, in order; not in a step that had to preempt (the pool is short, and
+        # the preempted sequences, first in line, would only take back the blocks just freed).
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not batch.preempted
+        ):
+            seq = self.waiting[0]
+            cached = self.block_manager.cached_prefix_blocks(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = self._chunk(seq, seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(seq, num_cached + n, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The step after ``batch``, scheduled while ``batch`` still runs (before its sampled tokens
+        are known): each of its sequences decodes the token ``batch`` samples for it. That is what
+        ``schedule`` would give next whenever every running sequence is in ``batch`` and samples,
+        nobody waits to be admitted and the pool has a slot for each; otherwise None, and the
+        caller schedules normally once the tokens are in.
+
+        A row whose sequence stops on the token ``batch`` samples (EOS, a stop string, an abort)
+        is computed for nothing and dropped by ``postprocess``; sequences that reach max_tokens
+        with it are known in advance, so a step of nothing but those is not scheduled."""
+        if (
+            self.waiting
+            or len(batch) != len(self.running)
+            or len(batch) > self.max_num_batched_tokens
+            or not all(batch.samples)
+            or any(seq.status is not SequenceStatus.RUNNING for seq in batch.seqs)
+            or all(seq.num_output_tokens + 1 >= seq.params.max_tokens for seq in batch.seqs)
+        ):
+            return None
+        ahead = ScheduledBatch(ahead=True)
+        for seq in batch.seqs:
+            # Room for the position after the sampled token's: num_tokens + 1 once it is appended.
+            if not self.block_manager.ensure_capacity(seq, seq.num_tokens + 1):
+                return None  # growing the others was not wasted: the next step needs it
+            ahead.seqs.append(seq)
+            ahead.num_new_tokens.append(1)
+            ahead.samples.append(True)
+        return ahead
+
+    def _chunk(self, seq: Sequence, num_uncomputed: int, budget: int) -> int:
+        n = min(num_uncomputed, budget)
+        if self.long_prefill_threshold:
+            n = min(n, self.long_prefill_threshold)
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)  # computed tokens -> 0: it will recompute them all
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(
+        self, batch: ScheduledBatch, sampled_token_ids: list[int | None]
+    ) -> list[Sequence]:
+        """Advance the sequences of a step that ran, and append the token sampled for each one
+        whose tokens are now all computed (the entry of any other is ignored and may be None).
+        Returns the sequences that finished; their blocks are already back in the pool."""
+        if len(sampled_token_ids) != len(batch):
+            raise ValueError(
+                f"{len(sampled_token_ids)} sampled tokens for a step of {len(batch)} sequences"
+            )
+        finished = []
+        for (seq, n), samples, token in zip(batch, batch.samples, sampled_token_ids):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished since the step was scheduled
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+            if not samples:
+                continue
+            seq.append_token(int(token))
+            reason = self._stop_reason(seq, int(token))
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence now (the engine calls this on a stop string): free its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting or running request with reason "abort"; None if there is none."""
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None

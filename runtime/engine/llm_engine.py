@@ -1,0 +1,286 @@
+"""The engine: scheduler + block manager + executor + sampler + output processor, one `step()`
+at a time (nano-vllm's LLMEngine: in-flight batching over the paged KV cache)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trtc import envs
+from trtc.artifact import Artifact
+from trtc.contract import make_step
+from trtc.runtime.core.block_manager import BlockManager
+from trtc.runtime.core.sampler import Sampler, make_generator
+from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
+from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
+from trtc.runtime.engine.output_processor import OutputProcessor
+from trtc.runtime.engine.outputs import (
+    EngineCounters,
+    EngineStats,
+    RequestError,
+    RequestOutput,
+    StepSummary,
+)
+from trtc.runtime.engine.token_readback import LaunchedStep, TokenReadback
+from trtc.runtime.executors import create_executor, default_num_blocks
+
+log = logging.getLogger("trtc.engine")
+
+# Tokens that end a chat turn in the families trtc serves, beside the tokenizer's own EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+
+
+@dataclass
+class EngineConfig:
+    executor: str = "auto"  # auto | torch | cuda | tensorrt (see runtime/executors)
+    device: str = "cpu"
+    num_blocks: int | None = None  # KV blocks in the pool (default: from kv_cache_memory)
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool when num_blocks is not given
+    max_num_seqs: int | None = None  # default: the artifact's limits
+    max_num_batched_tokens: int | None = None
+    long_prefill_threshold: int = 0
+    enable_prefix_caching: bool = True
+    # Queue step n+1 on the device before reading step n's tokens (decode steps; see
+    # `LLMEngine.step`). None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
+    async_scheduling: bool | None = None
+
+
+class LLMEngine:
+    def __init__(self, artifact: str | Path | Artifact, config: EngineConfig | None = None):
+        from transformers import AutoTokenizer
+
+        self.config = config = config or EngineConfig()
+        self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact)
+        self.manifest = self.artifact.manifest
+        limits = self.manifest.limits
+        self.model_name = self.manifest.name
+        self.max_seq_len = limits.max_seq_len
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.artifact.tokenizer_dir))
+        on_gpu = config.executor == "cuda" or (
+            config.executor == "auto" and torch.cuda.is_available()
+        )
+        num_blocks = config.num_blocks
+        if num_blocks is None and not on_gpu:  # the CUDA executor sizes its pool from GPU memory
+            num_blocks = default_num_blocks(
+                self.manifest, config.kv_cache_memory, config.max_num_seqs or limits.max_num_seqs
+            )
+        self.executor = create_executor(config.executor, self.artifact, num_blocks, config.device)
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, self.executor.block_size, config.enable_prefix_caching
+        )
+        eos = {self.manifest.tokenizer.eos_token_id, *self._generation_eos()} - {None}
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs or limits.max_num_seqs,
+            config.max_num_batched_tokens or limits.max_num_tokens,
+            eos_token_id=eos,
+            long_prefill_threshold=config.long_prefill_threshold,
+        )
+        self.sampler = Sampler()
+        self.async_scheduling = self._async_scheduling(config.async_scheduling)
+        # Where logits, sampled ids and the seeded requests' generators live.
+        self.device = getattr(self.executor, "device", torch.device("cpu"))
+        self.readback = TokenReadback(self.device, self.scheduler.max_num_seqs)
+        self._ahead: LaunchedStep | None = None  # queued ahead, its tokens not read yet
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.counters = EngineCounters()
+        self.last_step: StepSummary | None = None
+
+    def _async_scheduling(self, wanted: bool | None) -> bool:
+        able = getattr(self.executor, "takes_device_input_ids", False)
+        if wanted is None:
+            return able and self.executor.name == "cuda" and envs.TRTC_ASYNC_SCHEDULING
+        if wanted and not able:
+            raise ValueError(
+                f"async scheduling needs an executor that takes input ids on its device; "
+                f"the {self.executor.name} executor does not (use the cuda or torch executor)"
+            )
+        return wanted
+
+    def _generation_eos(self) -> set[int]:
+        ids = set()
+        for token in END_OF_TURN_TOKENS:
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return ids
+
+    # --- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.manifest.model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_seq_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_seq_len} tokens, but "
+                f"{total} were requested ({len(prompt_ids)} in the prompt, {params.max_tokens} "
+                f"for the completion); shorten the prompt or lower max_tokens"
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        prompt_ids = prompt_ids if prompt_ids is not None else self.tokenize(prompt)
+        self.check_request(prompt_ids, params)
+        request_id = request_id or self.new_request_id()
+        seq = Sequence(request_id, prompt_ids, params)
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        self.generators[request_id] = make_generator(params, self.device)
+        self.outputs.add(request_id)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step and return its outputs.
+
+        With async scheduling, the step after this one is queued on the device before this
+        one's tokens are read (`Scheduler.schedule_ahead`; its input tokens go from this step's
+        argmax to its inputs on the device), so the host's scheduling, input preparation and
+        output handling overlap the GPU instead of leaving it idle between steps (tokens are
+        drawn on the device, seeded requests from their own generator there). Only pure
+        continuations go ahead: a step that admits, preempts or finishes every row waits."""
+        launched, self._ahead = self._ahead, None
+        if launched is not None and not launched.batch.has_running():
+            launched = None  # every row finished or was aborted since it was queued
+        if launched is None:
+            batch = self.scheduler.schedule()
+            if not len(batch):
+                return []
+            launched = self._launch(batch)
+        if launched.device_tokens is not None:
+            ahead = self.scheduler.schedule_ahead(launched.batch)
+            if ahead is not None:
+                self._ahead = self._launch(ahead, input_ids=launched.device_tokens)
+        return self._complete(launched.batch, launched.tokens())
+
+    def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue ``batch`` on the executor and start sampling it. An async engine leaves the
+        token ids of a step whose every row samples on the device (read later)."""
+        step = make_step(batch.to_work(), self.executor.block_size)
+        logits = (
+            self.executor.execute(step)
+            if input_ids is None
+            else self.executor.execute(step, input_ids=input_ids)
+        )
+        sampling = [i for i, s in enumerate(batch.samples) if s]
+        seqs = [batch.seqs[i] for i in sampling]
+        generators = [self.generators[s.request_id] for s in seqs]
+        if self.async_scheduling and len(sampling) == len(batch):
+            ids = self.sampler.sample_on_device(logits, [s.params for s in seqs], generators)
+            return LaunchedStep(batch, ids, self.readback.start(ids))
+        tokens: list[int | None] = [None] * len(batch)
+        if sampling:
+            rows = (
+                logits if len(sampling) == len(batch) else logits[sampling]
+            )  # no gather when all sample
+            picked = self.sampler.sample(rows, [s.params for s in seqs], generators)
+            for i, t in zip(sampling, picked):
+                tokens[i] = t
+        return LaunchedStep(batch, None, lambda: tokens)
+
+    def _complete(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
+        """Advance the sequences of a step that ran by its sampled tokens; their outputs."""
+        # A row of a step queued ahead whose sequence stopped (or was aborted) meanwhile is dropped.
+        live = [s.status is SequenceStatus.RUNNING for s in batch.seqs]
+        tokens = [t if ok else None for ok, t in zip(live, tokens)]
+        live = [s for s, ok in zip(batch.seqs, live) if ok]
+        # Classified before postprocess advances them: decode = only generated tokens left.
+        n_decode = sum(1 for s in live if s.num_computed_tokens >= s.num_prompt_tokens)
+        n_prefill = len(live) - n_decode
+        self.last_step = StepSummary(
+            len(batch),
+            batch.num_tokens,
+            n_prefill,
+            n_decode,
+            [s.request_id for s in batch.preempted],
+            batch.ahead,
+        )
+        self.counters.steps += 1
+        self.counters.ahead_steps += batch.ahead
+        if n_decode and n_prefill:
+            self.counters.mixed_steps += 1
+            log.info(
+                "mixed step: %d prefill + %d decode sequences, %d tokens",
+                n_prefill,
+                n_decode,
+                batch.num_tokens,
+            )
+        self.scheduler.postprocess(batch, tokens)
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens):
+            if token is None:
+                continue
+            self.counters.generation_tokens += 1
+            if self.outputs.first_token(seq, now):
+                self.counters.prompt_tokens += seq.num_prompt_tokens
+            if self.outputs.hits_stop_string(seq):
+                self.scheduler.finish(seq, "stop")
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.is_finished:
+            self.generators.pop(seq.request_id, None)
+        return self.outputs.output(seq)
+
+    # --- state ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics, health checks and benchmarks."""
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            kv_blocks_total=bm.num_blocks,
+            block_size=bm.block_size,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            counters=EngineCounters(**vars(self.counters)),
+        )

@@ -1,0 +1,72 @@
+"""What the engine hands out: per-request outputs, a summary of each step, and a snapshot of
+its state (`EngineStats`) that the server's health and metrics read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (too long, bad parameters); the message says why."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str  # generated text so far (stop string excluded)
+    new_token_ids: list[int]  # since the previous output of this request
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One step as it ran: sequences and tokens, how many were prefilling or decoding (counted
+    before the step advanced them), who was preempted to make room, and whether it was queued
+    ahead of the previous step's tokens."""
+
+    num_seqs: int
+    num_tokens: int
+    prefill_seqs: int
+    decode_seqs: int
+    preempted: list[str] = field(default_factory=list)
+    ahead: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.prefill_seqs and self.decode_seqs:
+            return "mixed"
+        return "decode" if self.decode_seqs else "prefill"
+
+
+@dataclass
+class EngineCounters:
+    """Totals since the engine started."""
+
+    steps: int = 0
+    mixed_steps: int = 0
+    ahead_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state after its last step."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens served from the cache
+    num_preemptions: int
+    counters: EngineCounters

@@ -1,0 +1,182 @@
+"""The CUDA executor: the torch executor on a GPU, with the KV pool preallocated from a memory
+fraction and decode steps captured as CUDA graphs for a set of batch sizes (a decode step of a
+small model is mostly host overhead otherwise). Prefill and mixed steps run eagerly.
+
+A decode step of ``n`` sequences replays the graph of the smallest captured size ``>= n``; the
+extra rows are padding (slot -1, so nothing is written; one visible cached position, so nothing
+divides by zero) and their logits are dropped."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trtc import envs
+from trtc.artifact import Artifact, Manifest
+from trtc.contract import StepInputs
+from trtc.runtime.executors.fusions import RUNTIME_OPS, fuse
+from trtc.runtime.executors.fusions.int4_fragment import int4_fragment_bytes
+from trtc.runtime.executors.graph import GraphNode
+from trtc.runtime.executors.torch_executor import TorchExecutor
+from trtc.runtime.executors.torch_ops import ONNX_OPS
+
+log = logging.getLogger("trtc.executor")
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def blocks_for_memory(
+    manifest: Manifest, memory_fraction: float, device: torch.device, weight_bytes: int
+) -> int:
+    """KV blocks that fit in ``memory_fraction`` of the GPU, after the weights and a margin for
+    activations."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * memory_fraction) - (total - free) - weight_bytes - (1 << 30)
+    blocks = budget // manifest.kv_cache.bytes_per_block
+    if blocks < 1:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache ({budget / 2**30:.1f} GiB after the weights)"
+        )
+    return int(blocks)
+
+
+class CudaExecutor(TorchExecutor):
+    name = "cuda"
+    ops = {**ONNX_OPS, **RUNTIME_OPS}
+
+    def __init__(
+        self,
+        artifact: Artifact,
+        num_blocks: int | None = None,
+        device: str = "cuda",
+        memory_fraction: float = 0.9,
+        max_graph_batch: int | None = None,
+        use_cuda_graphs: bool = True,
+        fuse_kernels: bool = True,
+        int4_fragments: bool | None = None,
+    ):
+        self.fuse_kernels = fuse_kernels
+        # The INT4 Linears held in the fragment layout instead of the plugin's
+        # (fusions/int4_fragment.py): faster decode steps, prefill through a dequantized
+        # transient weight; TRTC_INT4_FRAGMENTS=0 (or int4_fragments=False) keeps them as stored.
+        if int4_fragments is None:
+            int4_fragments = envs.TRTC_INT4_FRAGMENTS
+        self.int4_fragments = int4_fragments and fuse_kernels
+        self.fusions: dict[str, int] = {}
+        manifest = artifact.manifest
+        if num_blocks is None:
+            weight_bytes = manifest.graph.weight_bytes["total"]
+            if self.int4_fragments:
+                weight_bytes += int4_fragment_bytes(manifest)
+            num_blocks = blocks_for_memory(
+                manifest, memory_fraction, torch.device(device), weight_bytes
+            )
+        super().__init__(artifact, num_blocks, device)
+        limits = manifest.limits
+        self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
+        top = min(max_graph_batch or limits.max_num_seqs, limits.max_num_seqs)
+        self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= top] or [1]
+        if self.graph_sizes[-1] < top:
+            self.graph_sizes.append(top)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
+        if use_cuda_graphs:
+            self.capture_graphs()
+
+    def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
+        """Fewer, fused kernels (`fusions/`); ``fuse_kernels=False`` runs the graph as
+        compiled; ``int4_fragments=False`` keeps Int4Gemm on the plugin-layout kernels only."""
+        if not self.fuse_kernels:
+            return graph
+        graph, counts = fuse(graph, self.constants, self.graph_outputs, self.int4_fragments)
+        self.fusions = dict(counts)
+        log.info("fused kernels: %s", ", ".join(f"{k} x{v}" for k, v in counts.items()))
+        return graph
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture (again) a decode graph per batch size, with the kernels' launch settings as
+        they are now (the profile's A/B of programmatic dependent launch and the GEMV)."""
+        self.graphs.clear()
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for batch in sorted(
+            self.graph_sizes, reverse=True
+        ):  # largest first: smaller ones reuse its memory
+            inputs = DecodeInputs(batch, self.max_blocks_per_seq, self.device)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile kernels, settle the allocator
+                    self.forward(inputs.tensors)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(inputs.tensors)
+            pool = graph.pool()
+            self.graphs[batch] = (graph, inputs, logits)
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As the torch executor's, but nothing waits for the GPU: the logits stay on it (the
+        sampler copies back token ids only), and ``input_ids`` on the GPU are copied in stream
+        order, behind the kernels of the step that produces them."""
+        num_tokens, num_seqs = step.num_tokens, step.num_seqs
+        size = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
+        if num_tokens != num_seqs or size is None:  # prefill or mixed: eager
+            feeds = step.to(self.device, non_blocking=True).as_dict()
+            if input_ids is not None:
+                feeds["input_ids"] = input_ids
+            return self.forward(feeds)
+        graph, inputs, logits = self.graphs[size]
+        inputs.load(step)
+        if input_ids is not None:
+            inputs.tensors["input_ids"][:num_seqs].copy_(input_ids)
+        graph.replay()
+        return logits[:num_seqs]
+
+
+class DecodeInputs:
+    """The static inputs of one captured decode graph of ``batch`` rows, packed into two device
+    buffers with pinned host twins: loading a step costs two asynchronous host-to-device copies
+    (not one copy per tensor plus kernels that fill the padding rows).
+
+    Rows past the step's sequences are padding: no KV write (slot -1), one visible position,
+    their own query token; their logits are never read."""
+
+    def __init__(self, batch: int, max_blocks: int, device: torch.device):
+        self.batch, self.max_blocks = batch, max_blocks
+        self.host64 = torch.zeros(3, batch, dtype=torch.int64).pin_memory()  # ids, positions, slots
+        self.host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32).pin_memory()
+        self.host64[2] = -1
+        self.host32[:batch] = 1
+        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
+        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
+        self.copied = torch.cuda.Event()
+        self.tensors = {
+            "input_ids": self.dev64[0],
+            "positions": self.dev64[1],
+            "slot_mapping": self.dev64[2],
+            "block_tables": self.dev32[batch:].view(batch, max_blocks),
+            "context_lens": self.dev32[:batch],
+            "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
+            "logits_indices": torch.arange(batch, dtype=torch.int64, device=device),
+        }
+
+    def load(self, step: StepInputs) -> None:
+        n, width = step.block_tables.shape
+        self.copied.synchronize()  # the previous step's copies have read the host buffers
+        # Filled through numpy views of the pinned buffers: a third of the host time of the same
+        # assignments as torch ops (each of which dispatches), on a step's critical path.
+        h64, h32 = self.host64_np, self.host32_np
+        h64[0, :n], h64[1, :n] = step.input_ids.numpy(), step.positions.numpy()
+        h64[2, :n] = step.slot_mapping.numpy()
+        h64[:2, n:], h64[2, n:] = 0, -1
+        h32[:n], h32[n : self.batch] = step.context_lens.numpy(), 1
+        h32[self.batch :].reshape(self.batch, self.max_blocks)[:n, :width] = (
+            step.block_tables.numpy()
+        )
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.copied.record()

@@ -1,0 +1,130 @@
+"""The torch executor: runs an artifact's compiled graph (``model.onnx``) node by node with torch
+ops (`torch_ops.py`); plugin nodes call the plugin implementation for the device (the torch
+reference on CPU). The KV pool is one tensor ``[layers, 2, num_blocks, block_size, kv_heads,
+head_dim]``; layer ``i``'s view is bound to ``kv_cache.{i}`` and updated in place, exactly as the
+TensorRT plugin aliases it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from trtc.artifact import MODEL_FILE, WEIGHTS_FILE, Artifact
+from trtc.contract import StepInputs, kv_input_name, kv_output_name, kv_pool
+from trtc.errors import ArtifactError
+from trtc.runtime.executors.graph import GraphNode, OpTable
+from trtc.runtime.executors.torch_ops import ONNX_OPS
+
+
+def _to_torch(init: onnx.TensorProto, device) -> torch.Tensor:
+    if init.data_type in (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN):
+        # numpy has no such dtypes: move the raw bits, then reinterpret them in torch.
+        bits = numpy_helper.to_array(init)
+        as_int = bits.view(np.uint16 if init.data_type == onnx.TensorProto.BFLOAT16 else np.uint8)
+        torch_dtype = (
+            torch.bfloat16 if init.data_type == onnx.TensorProto.BFLOAT16 else torch.float8_e4m3fn
+        )
+        return torch.from_numpy(as_int.copy()).view(torch_dtype).to(device)
+    tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
+    # Small int32/int64 constants are shapes, axes and split sizes: ops read them on the host, so
+    # they stay there (reading them from a GPU would synchronise and break CUDA-graph capture).
+    if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() <= 64:
+        return tensor
+    return tensor.to(device)
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+class TorchExecutor:
+    name = "torch"
+
+    # The ops this executor runs: the ONNX ops of a trtc graph (an executor that rewrites the
+    # graph adds the ops of its rewrites).
+    ops: OpTable = ONNX_OPS
+
+    def __init__(self, artifact: Artifact, num_blocks: int, device: str = "cpu"):
+        self.artifact = artifact
+        self.dir = artifact.path
+        self.manifest = artifact.manifest
+        artifact.verify([MODEL_FILE, WEIGHTS_FILE])
+        self.device = torch.device(device)
+        model = onnx.load(str(artifact.file(MODEL_FILE)))
+        self._load_graph(model)
+        kv = self.manifest.kv_cache
+        self.block_size = kv.block_size
+        self.num_blocks = num_blocks
+        self.num_layers = kv.num_layers
+        self.kv_pool = kv_pool(kv, num_blocks, self.device)
+
+    def _load_graph(self, model: onnx.ModelProto) -> None:
+        unsupported = sorted(
+            {
+                f"{n.domain}::{n.op_type}" if n.domain else n.op_type
+                for n in model.graph.node
+                if (n.domain, n.op_type) not in self.ops
+            }
+        )
+        if unsupported:
+            raise ArtifactError(
+                f"{self.dir}: the torch executor cannot run op(s) {', '.join(unsupported)}"
+            )
+        self.constants = {i.name: _to_torch(i, self.device) for i in model.graph.initializer}
+        self.graph_outputs = {o.name for o in model.graph.output}
+        graph = self.rewrite(
+            [
+                GraphNode((n.domain, n.op_type), list(n.input), list(n.output), _attrs(n))
+                for n in model.graph.node
+            ]
+        )
+        self.nodes = [(self.ops[n.op], n.inputs, n.outputs, n.attrs) for n in graph]
+        # Free each intermediate after its last reader: peak memory stays one layer's worth.
+        last_use: dict[str, int] = {}
+        for i, (_, inputs, _, _) in enumerate(self.nodes):
+            for name in inputs:
+                if name:  # "": an absent optional input
+                    last_use[name] = i
+        self.release = [
+            [
+                n
+                for n in inputs
+                if last_use.get(n) == i and n not in self.constants and n not in self.graph_outputs
+            ]
+            for i, (_, inputs, _, _) in enumerate(self.nodes)
+        ]
+
+    def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
+        """The node list this executor runs (here: the graph as compiled)."""
+        return graph
+
+    # `execute` takes ``input_ids`` already on the device (an async engine's next step reads
+    # the previous step's tokens from there).
+    takes_device_input_ids = True
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step (the contract's inputs; ``input_ids``, if given, replaces the step's);
+        returns ``logits[num_seqs, vocab]`` (fp32, CPU). The KV pool is updated in place."""
+        feeds = step.to(self.device).as_dict()
+        if input_ids is not None:
+            feeds["input_ids"] = input_ids.to(self.device)
+        return self.forward(feeds).cpu()
+
+    def forward(self, step: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The graph on inputs already on the device; logits stay there."""
+        env: dict[str, torch.Tensor] = dict(self.constants)
+        env.update(step)
+        for layer in range(self.num_layers):
+            env[kv_input_name(layer)] = self.kv_pool[layer]
+        for (fn, inputs, outputs, attrs), release in zip(self.nodes, self.release):
+            results = fn([env[n] if n else None for n in inputs], attrs)
+            env.update(zip(outputs, results))
+            for name in release:
+                del env[name]
+        for layer in range(self.num_layers):
+            if env[kv_output_name(layer)].data_ptr() != self.kv_pool[layer].data_ptr():
+                self.kv_pool[layer].copy_(env[kv_output_name(layer)])
+        return env["logits"].float()

@@ -1,0 +1,108 @@
+"""Prometheus metrics of a serving engine (one registry per server, so tests can run several);
+an `EngineObserver` of the async engine."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from trtc.runtime.engine.outputs import EngineStats, RequestOutput, StepSummary
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        self.queue_length = Gauge(
+            "trtc_queue_length", "Requests waiting to be scheduled", registry=r
+        )
+        self.running = Gauge("trtc_running_sequences", "Sequences in the running batch", registry=r)
+        self.kv_blocks_used = Gauge("trtc_kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.kv_blocks_total = Gauge(
+            "trtc_kv_blocks_total", "KV-cache blocks in the pool", registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "trtc_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "trtc_prefix_cache_hits", "Prompt tokens served by the prefix cache", registry=r
+        )
+        self.prompt_tokens = Counter("trtc_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("trtc_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("trtc_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter(
+            "trtc_rejected_requests", "Requests refused (queue full)", registry=r
+        )
+        self.preemptions = Counter(
+            "trtc_preemptions", "Sequences preempted for lack of KV blocks", registry=r
+        )
+        self.steps = Counter("trtc_steps", "Engine steps", ["kind"], registry=r)
+        self.ttft = Histogram(
+            "trtc_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "trtc_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "trtc_e2e_request_latency_seconds",
+            "Request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        """Copy the engine's gauges and counters after a step (called from the engine thread)."""
+        self.queue_length.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        for name, value, counter in (
+            ("queries", stats.prefix_cache_queries, self.prefix_cache_queries),
+            ("hits", stats.prefix_cache_hits, self.prefix_cache_hits),
+            ("preemptions", stats.num_preemptions, self.preemptions),
+        ):
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name])
+                self._seen[name] = value
+
+    def observe_step(self, step: StepSummary) -> None:
+        self.steps.labels(step.kind).inc()
+
+    def observe_rejected(self) -> None:
+        self.rejected.inc()
+
+    def observe_output(self, out: RequestOutput) -> None:
+        if (
+            out.first_token_time is not None
+            and len(out.token_ids) == len(out.new_token_ids)
+            and out.new_token_ids
+        ):
+            self.ttft.observe(out.first_token_time - out.arrival_time)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.new_token_ids))
+        if out.finished:
+            self.requests.labels(out.finish_reason or "unknown").inc()
+            if out.finish_time is not None:
+                self.e2e.observe(out.finish_time - out.arrival_time)
+                if out.first_token_time is not None and len(out.token_ids) > 1:
+                    self.tpot.observe(
+                        (out.finish_time - out.first_token_time) / (len(out.token_ids) - 1)
+                    )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

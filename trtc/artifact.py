@@ -1,0 +1,262 @@
+"""The artifact format: what `trtc build` writes and every other command reads.
+
+An artifact is a directory with a versioned ``manifest.json`` (typed below: `Manifest`) and the
+files it records (graph, weights, tokenizer, engines), each with its size and sha256.
+`Artifact.open` reads and checks the manifest once; the object is passed down to whoever needs
+the files, and `Artifact.verify` hashes each file at most once, when it is first loaded.
+Writing lives with the compiler (`trtc.compiler.writer`); this module only defines and reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trtc.errors import ArtifactError
+
+FORMAT = "trtc-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "model.onnx.data"
+BUILD_LOG = "build.log"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _Section(BaseModel):
+    """A manifest section: fields fixed by the format, nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _OpenRecord(BaseModel):
+    """A record whose named fields the runtime reads; the rest is shown by `trtc inspect`."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+class ModelGeometry(_Section):
+    """The decoder's shape, read from the source model's config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope_parameters: dict[str, Any]
+    sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
+
+
+class Limits(_Section):
+    max_num_tokens: int  # tokens in one step
+    max_num_seqs: int  # sequences in one step
+    max_seq_len: int  # context length
+
+
+class KVCacheLayout(_Section):
+    layout: str  # "paged"
+    block_size: int
+    dtype: str  # fp32 | fp16 | bf16 | fp8
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    pool_shape: list[str | int]
+    bytes_per_token: int
+    bytes_per_block: int
+    scales: dict[str, Any] | None = Field(None, exclude_if=_omit_none)  # fp8: per-layer K/V
+
+
+class TensorRecord(_Section):
+    name: str
+    dtype: str
+    shape: list[str | int]
+    doc: str = ""
+
+
+class StepIO(_Section):
+    """The step contract as this artifact's graph takes it (`trtc.contract.io_manifest`)."""
+
+    inputs: list[TensorRecord]
+    outputs: list[TensorRecord]
+    aliases: dict[str, str]  # output -> the input it updates in place
+    kv_pool: dict[str, Any]
+
+
+class QuantizationRecord(_OpenRecord):
+    method: str  # none | rtn | awq | gptq | fp8
+    bits: int | None = Field(None, exclude_if=_omit_none)
+    group_size: int | None = Field(None, exclude_if=_omit_none)
+    linear_weight_bytes_quantized: int | None = Field(None, exclude_if=_omit_none)
+
+
+class GraphRecord(_Section):
+    file: str
+    weights_file: str
+    opset: dict[str, int]
+    functions: list[str]
+    num_nodes: int
+    op_counts: dict[str, int]
+    weight_bytes: dict[str, int]  # "total" and per kind (linear, embedding, ...)
+
+
+class TokenizerRecord(_Section):
+    dir: str
+    chat_template: bool
+    eos_token_id: int | None
+    bos_token_id: int | None
+
+
+class EngineRecord(_OpenRecord):
+    """One built TensorRT or TensorRT-RTX plan (profile, I/O and contract kept as recorded)."""
+
+    target: str  # sm86, ...
+    compute_capability: str  # "8.6"
+    backend: str  # tensorrt | tensorrt-rtx
+    trt_version: str
+    file: str
+    bytes: int
+    sha256: str
+    precision: str
+    kv_layout: str  # paged | slot
+    hardware_compatibility: str | None = Field(None, exclude_if=_omit_none)
+    build_time_s: float
+    profile: dict[str, dict[str, list[int]]]  # input -> min/opt/max shape
+    io: dict[str, Any]  # the built network's inputs and outputs
+    aliases: dict[str, str]  # updated cache output -> its input
+    contract: dict[str, Any] | None = Field(None, exclude_if=_omit_none)  # slot engines
+
+
+class FileRecord(_Section):
+    bytes: int
+    sha256: str
+
+
+class Manifest(BaseModel):
+    """``manifest.json``: everything about an artifact that is not its tensors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    trtc_version: str
+    name: str
+    created: str
+    source: dict[str, Any]
+    model: ModelGeometry
+    precision: str  # fp32 | fp16 | bf16: weights and activations
+    limits: Limits
+    kv_cache: KVCacheLayout
+    quantization: QuantizationRecord
+    io: StepIO
+    plugins: list[dict[str, Any]]
+    fusions: dict[str, Any]
+    graph: GraphRecord
+    tokenizer: TokenizerRecord
+    build: dict[str, Any]
+    engines: list[EngineRecord] = []
+    files: dict[str, FileRecord] = {}
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """The manifest of ``directory``, refused with a reason if it is missing, foreign, too new
+    or malformed."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a trtc artifact (no {MANIFEST})")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ArtifactError(f"{path}: not a trtc manifest (format {found!r})")
+    version = data.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: format version {version} is newer than this trtc reads "
+            f"({FORMAT_VERSION}); upgrade trtc"
+        )
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ArtifactError(
+            f"{path}: malformed manifest at '{where}': {first['msg']} "
+            f"({e.error_count()} problem(s); rebuild the artifact with this trtc)"
+        ) from None
+
+
+class Artifact:
+    """An opened artifact: its directory and typed manifest, checked once and passed down."""
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path = path
+        self.manifest = manifest
+        self._verified: set[str] = set()
+
+    @classmethod
+    def open(cls, path: str | Path) -> Artifact:
+        """Read the manifest; the files' hashes are checked by `verify` as they are loaded."""
+        path = Path(path)
+        return cls(path, read_manifest(path))
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / self.manifest.tokenizer.dir
+
+    def verify(self, names: list[str] | None = None) -> None:
+        """Check the recorded size and sha256 of the named files (default: all), each once."""
+        for name, rec in self.manifest.files.items():
+            if (names is not None and name not in names) or name in self._verified:
+                continue
+            path = self.path / name
+            if not path.is_file():
+                raise ArtifactError(f"{self.path}: {name} is missing")
+            size = path.stat().st_size
+            if size != rec.bytes:
+                raise ArtifactError(
+                    f"{self.path}: {name} has {size} bytes, the manifest records {rec.bytes} "
+                    f"(truncated or replaced)"
+                )
+            if sha256_file(path) != rec.sha256:
+                raise ArtifactError(
+                    f"{self.path}: {name} does not match its recorded sha256 (modified)"
+                )
+            self._verified.add(name)
+
+    def __repr__(self) -> str:
+        return f"Artifact({str(self.path)!r}, {self.manifest.name!r})"

@@ -1,0 +1,80 @@
+"""Every ``TRTC_*`` environment variable trtc reads: its meaning, its default and how it is
+parsed, in one place. Read as attributes (``envs.TRTC_PDL``) when used, never at import, so a
+test or a benchmark that sets one before it builds an engine sees its value.
+
+``python -m trtc.envs`` lists them with their current values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    """On unless set to 0 (or off unless set to something else than 0, for default False)."""
+    return lambda: os.environ.get(name, "1" if default else "0") != "0"
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name, str(default)))
+
+
+def _path(name: str) -> Callable[[], Path | None]:
+    return lambda: Path(os.environ[name]) if os.environ.get(name) else None
+
+
+def _str(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or None
+
+
+# name -> (reader, meaning)
+ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
+    "TRTC_API_KEY": (
+        _str("TRTC_API_KEY"),
+        "the API key `trtc serve` requires (and `trtc bench --url` sends) when --api-key is not "
+        "given",
+    ),
+    "TRTC_ASYNC_SCHEDULING": (
+        _flag("TRTC_ASYNC_SCHEDULING", True),
+        "0: the cuda executor waits for each step's tokens before queuing the next (default: a "
+        "decode step is queued before the previous one's tokens are read)",
+    ),
+    "TRTC_INT4_FRAGMENTS": (
+        _flag("TRTC_INT4_FRAGMENTS", True),
+        "0: the cuda executor keeps INT4 weights in the stored plugin layout instead of the "
+        "fragment kernel's",
+    ),
+    "TRTC_GEMV_MAX_TOKENS": (
+        _int("TRTC_GEMV_MAX_TOKENS", 2),
+        "projections of at most this many tokens run the Triton GEMV, longer ones cuBLAS (0: "
+        "always cuBLAS)",
+    ),
+    "TRTC_PDL": (
+        _flag("TRTC_PDL", True),
+        "0: Triton kernels launch without programmatic dependent launch (it is used on Hopper "
+        "and later only)",
+    ),
+    "TRTC_CACHE_DIR": (
+        _path("TRTC_CACHE_DIR"),
+        "where full-TensorRT builds keep their timing caches (default $XDG_CACHE_HOME/trtc or "
+        "~/.cache/trtc)",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENVIRONMENT:
+        return ENVIRONMENT[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(ENVIRONMENT)
+
+
+if __name__ == "__main__":
+    for key, (read, meaning) in ENVIRONMENT.items():
+        print(f"{key}={read()!r}\n    {meaning}")
