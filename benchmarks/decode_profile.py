@@ -10,8 +10,12 @@ rewrites) and, with ``--prefill N``, the time of one eager prefill step of ``N``
 sequence, nothing cached).
 
 ``--ab`` re-captures the graphs with programmatic dependent launch and the Triton GEMV each
-turned off and on (`trtc.plugins.kernels.pdl`, `plugins/kernels/gemv.py`) and times every combination in
-the same run.
+turned off and on (`trtc.plugins.kernels.pdl`, `trtc.plugins.kernels.gemv`) and times every
+combination in the same run.
+
+Timing (`timing.py`): graph replays and steps by CUDA events, one call at a time (`median_ms`);
+the bandwidth floor from a 2 GiB copy (`copy_bandwidth`), the GPU's memory being shared with
+the model.
 """
 
 from __future__ import annotations
@@ -22,32 +26,17 @@ from collections import defaultdict
 
 import torch
 
-from trtc.contract import SequenceWork, make_step
+from trtc.artifact import Artifact
+from trtc.contract import SequenceWork, StepInputs, make_step
+from trtc.plugins.kernels import gemv, pdl
+from trtc.runtime.executors.cuda_executor import CudaExecutor
+
+from timing import copy_bandwidth, median_ms
+
+COPY_GIB = 2.0  # the copy that measures the bandwidth: the model holds the rest of the memory
 
 
-def copy_bandwidth(gib: float = 2.0) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    src = torch.randn(int(gib * 2**30) // 4, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (_median_ms(lambda: dst.copy_(src)) * 1e-3)
-
-
-def _median_ms(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def decode_step(executor, batch: int, context: int) -> dict[str, torch.Tensor]:
+def decode_step(executor: CudaExecutor, batch: int, context: int) -> StepInputs:
     """``batch`` sequences of ``context`` cached tokens, one new token each, on disjoint blocks."""
     bs = executor.block_size
     per_seq = -(-(context + 1) // bs)
@@ -62,10 +51,16 @@ def decode_step(executor, batch: int, context: int) -> dict[str, torch.Tensor]:
     return make_step(work, bs)
 
 
-def prefill_ms(executor, tokens: int) -> float:
+def decode_graph(executor: CudaExecutor, batch: int):
+    """``(graph, inputs, logits)``: the captured decode graph a step of ``batch`` sequences
+    replays (the smallest size that holds it)."""
+    return executor.graphs[next(b for b in sorted(executor.graphs) if b >= batch)]
+
+
+def prefill_ms(executor: CudaExecutor, tokens: int) -> float:
     """Median time of one prefill step of ``tokens`` new tokens of one sequence (eager)."""
-    limits = executor.manifest["limits"]
-    most = min(limits["max_seq_len"], limits["max_num_tokens"])
+    limits = executor.manifest.limits
+    most = min(limits.max_seq_len, limits.max_num_tokens)
     if tokens > most:
         raise SystemExit(
             f"--prefill {tokens}: the artifact takes at most {most} tokens a step "
@@ -80,10 +75,10 @@ def prefill_ms(executor, tokens: int) -> float:
     step = make_step(
         [SequenceWork([1 + t % 1000 for t in range(tokens)], 0, list(range(blocks)))], bs
     )
-    return _median_ms(lambda: executor.execute(step), reps=10)
+    return median_ms(lambda: executor.execute(step), reps=10)
 
 
-def device_constant_bytes(executor) -> int:
+def device_constant_bytes(executor: CudaExecutor) -> int:
     """Bytes of the constants (weights and the tables made from them) on the device."""
     return sum(
         t.numel() * t.element_size() for t in executor.constants.values() if t.device.type == "cuda"
@@ -91,12 +86,12 @@ def device_constant_bytes(executor) -> int:
 
 
 def kernel_table(
-    executor, step: dict[str, torch.Tensor]
+    executor: CudaExecutor, step: StepInputs
 ) -> tuple[list[tuple[str, int, float]], float]:
     """``[(kernel, launches, total device us)]`` of one eager step, most expensive first."""
     from torch.profiler import ProfilerActivity, profile
 
-    inputs = {k: v.to(executor.device) for k, v in step.items()}
+    inputs = step.to(executor.device).as_dict()
     executor.forward(inputs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -115,12 +110,16 @@ def kernel_table(
 
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> None:
-    from trtc.runtime.executors.cuda_executor import CudaExecutor
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("artifact")
-    p.add_argument("--batch", default="1,64")
-    p.add_argument("--context", type=int, default=256)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("artifact", help="the artifact directory (trtc build's output)")
+    p.add_argument(
+        "--batch", default="1,64", help="decode batch sizes, comma-separated (default 1,64)"
+    )
+    p.add_argument(
+        "--context", type=int, default=256, help="cached tokens of each sequence (default 256)"
+    )
     p.add_argument(
         "--unfused", action="store_true", help="run the graph as compiled (no kernel fusion)"
     )
@@ -140,26 +139,26 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="also time one eager prefill step of this many tokens",
     )
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the measurements here (JSON)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     ex = CudaExecutor(
-        args.artifact,
+        Artifact.open(args.artifact),
         max_graph_batch=max(batches),
         fuse_kernels=not args.unfused,
         int4_fragments=False if args.no_int4_fragments else None,
         memory_fraction=0.5,
     )
     manifest = ex.manifest
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(COPY_GIB)
     # A decode step reads every weight once, except the embedding table (only its rows), unless
     # the LM head is that table.
-    wb = manifest["graph"]["weight_bytes"]
-    tied = manifest["model"]["tie_word_embeddings"]
+    wb = manifest.graph.weight_bytes
+    tied = manifest.model.tie_word_embeddings
     weight_bytes = wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
-    kv_per_token = manifest["kv_cache"]["bytes_per_token"]
+    kv_per_token = manifest.kv_cache.bytes_per_token
     print(
-        f"{manifest['name']}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
+        f"{manifest.name}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
         f"{weight_bytes / 1e9:.2f} GB, fusions {ex.fusions or 'none'}"
     )
     held = device_constant_bytes(ex)
@@ -178,12 +177,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"prefill of {args.prefill} tokens: {report['prefill']['ms']:.2f} ms")
     for batch in batches:
         step = decode_step(ex, batch, args.context)
-        graph, inputs, logits = ex.graphs[next(b for b in sorted(ex.graphs) if b >= batch)]
+        graph, inputs, _ = decode_graph(ex, batch)
         inputs.load(step)
-        graph_ms = _median_ms(graph.replay)
-        step_ms = _median_ms(
-            lambda: ex.execute(step).argmax(-1).tolist()
-        )  # + loading and token ids back
+        graph_ms = median_ms(graph.replay)
+
+        def step_to_host(step: StepInputs = step) -> list[int]:  # + loading, token ids back
+            return ex.execute(step).argmax(-1).tolist()
+
+        step_ms = median_ms(step_to_host)
         floor_ms = (weight_bytes + batch * (args.context + 1) * kv_per_token) / bw * 1e3
         rows, kernel_us = kernel_table(ex, step)
         launches = sum(c for _, c, _ in rows)
@@ -214,31 +215,30 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(report, f, indent=2)
 
 
-def ab_graph_times(ex, batches: list[int], context: int) -> list[dict]:
+def ab_graph_times(ex: CudaExecutor, batches: list[int], context: int) -> list[dict]:
     """Graph replay time per batch with PDL and the GEMV each on and off (graphs re-captured
     for each; the last combination is the default again, so the spread shows the noise)."""
-    from trtc.plugins.kernels import gemv, pdl
-
-    default_gemv = gemv.MAX_TOKENS
+    default_gemv = gemv.max_tokens()
     was = pdl.set_enabled(True)
     rows = []
     print(f"\nA/B (graph replay, us): batch {', '.join(map(str, batches))}")
-    for use_pdl, gemv in ((False, False), (True, False), (False, True), (True, True)):
+    for use_pdl, use_gemv in ((False, False), (True, False), (False, True), (True, True)):
         pdl.set_enabled(use_pdl)
-        gemv.MAX_TOKENS = default_gemv if gemv else 0
+        gemv.set_max_tokens(default_gemv if use_gemv else 0)
         ex.capture_graphs()
         times = []
         for batch in batches:
-            graph, inputs, _ = ex.graphs[next(b for b in sorted(ex.graphs) if b >= batch)]
+            graph, inputs, _ = decode_graph(ex, batch)
             inputs.load(decode_step(ex, batch, context))
-            times.append(_median_ms(graph.replay) * 1e3)
-        rows.append({"pdl": use_pdl, "gemv": gemv, "graph_us": dict(zip(batches, times))})
+            times.append(median_ms(graph.replay) * 1e3)
+        rows.append({"pdl": use_pdl, "gemv": use_gemv, "graph_us": dict(zip(batches, times))})
         print(
-            f"  PDL {'on ' if use_pdl else 'off'}  projections {'GEMV  ' if gemv else 'cuBLAS'}: "
+            f"  PDL {'on ' if use_pdl else 'off'}  "
+            f"projections {'GEMV  ' if use_gemv else 'cuBLAS'}: "
             + ", ".join(f"{t:.0f}" for t in times)
         )
     pdl.set_enabled(was)
-    gemv.MAX_TOKENS = default_gemv
+    gemv.set_max_tokens(default_gemv)
     ex.capture_graphs()
     return rows
 

@@ -7,20 +7,24 @@ down), each projection's input a slice of the previous one's output, captured in
 
 Variants: cuBLAS; the GEMV with and without programmatic dependent launch; other warp counts and
 tile heights; SwiGLU as the gate_up GEMV's epilogue instead of its own kernel.
-The figure of merit is the chain's weight bytes per second over a large copy's bandwidth.
+The figure of merit is the chain's weight bytes per second over a large copy's bandwidth
+(`timing.copy_bandwidth`, 4 GiB); a chain's time is the median replay of its CUDA graph
+(`timing.per_call_us`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from trtc.plugins.kernels import gemv
-from trtc.runtime.profile import copy_bandwidth
+from trtc.plugins.kernels import gemv, pointwise
+
+from timing import copy_bandwidth, per_call_us
 
 HIDDEN, QKV, MLP, VOCAB, LAYERS = 2048, 2048 + 2 * 256, 5632, 32000, 22
 
@@ -33,8 +37,6 @@ def layer_weights(dtype) -> list[torch.Tensor]:
 def chain(linear, x, layers, swiglu_in_gemv=False):
     """One decode step's projections: each input a slice of the previous output, SwiGLU between
     gate_up and down (its Triton kernel, or the gate_up GEMV's epilogue)."""
-    from trtc.plugins.kernels import pointwise
-
     h = x
     for qkv, o, gate_up, down in layers:
         a = linear(h, qkv)
@@ -45,21 +47,6 @@ def chain(linear, x, layers, swiglu_in_gemv=False):
             c = pointwise.swiglu(linear(b, gate_up))
         h = linear(c, down)
     return h
-
-
-def graph_us(fn) -> float:
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3
 
 
 def check(dtype, tokens, failures) -> list[dict]:
@@ -99,9 +86,11 @@ def check(dtype, tokens, failures) -> list[dict]:
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="1,2")
-    p.add_argument("--out", default=None)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tokens", default="1,2", help="token counts, comma-separated (default 1,2)")
+    p.add_argument("--out", default=None, help="write every measurement here (JSON)")
     args = p.parse_args(argv)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     failures: list[str] = []
@@ -114,8 +103,8 @@ def main(argv=None) -> int:
     layers = [layer_weights(torch.float16) for _ in range(LAYERS)]
     chain_bytes = sum(w.numel() * 2 for layer in layers for w in layer)
     print(
-        f"copy bandwidth {bw / 1e12:.2f} TB/s; chain of {LAYERS} layers, {chain_bytes / 1e9:.2f} GB "
-        f"of weights (floor {chain_bytes / bw * 1e6:.0f} us)"
+        f"copy bandwidth {bw / 1e12:.2f} TB/s; chain of {LAYERS} layers, "
+        f"{chain_bytes / 1e9:.2f} GB of weights (floor {chain_bytes / bw * 1e6:.0f} us)"
     )
     variants = {
         "cublas": lambda x, w: F.linear(x, w),
@@ -135,7 +124,7 @@ def main(argv=None) -> int:
         for name, linear, fused in runs:
             got = chain(linear, x, layers[:2], fused).float()
             err = float((got - want).norm() / want.norm())
-            us = graph_us(lambda: chain(linear, x, layers, fused))
+            us = per_call_us([partial(chain, linear, x, layers, fused)], rep=60)
             row = {
                 "tokens": t,
                 "variant": name,

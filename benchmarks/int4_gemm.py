@@ -19,53 +19,37 @@ Shapes ``[N, K]``: the Llama-7B projections [4096, 4096] (q/k/v/o), [11008, 4096
 Every variant is checked against the fp32 reference before it is timed. Times are medians of
 CUDA-graph replays (``triton.testing.do_bench``), each graph calling the kernel once on each of
 R weight sets (R sets >= 200 MB, four times the 50 MB L2, so no call finds its weight in L2),
-divided by R: back-to-back launches as a captured decode step runs them.
+divided by R: back-to-back launches as a captured decode step runs them (`timing.per_call_us`,
+`timing.ROTATION_BYTES`). The copy bandwidth: `timing.copy_bandwidth` (4 GiB).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+import triton
 
-HERE = Path(__file__).resolve().parent
+from trtc.plugins.int4_gemm import fragment_kernel, triton_kernels
+from trtc.plugins.int4_gemm.reference import dequantize
+from trtc.plugins.int4_gemm.triton_kernels import Plan
+from trtc.plugins.kernels import pdl
+
+from timing import ROTATION_BYTES, copy_bandwidth, per_call_us
+
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 DECODE_TOKENS = [1, 2, 4, 8, 16]
 PREFILL_TOKENS = [256, 1024]
 GROUP = 128
-ROTATION_BYTES = 200e6
 TIME_BUDGET_S = 80.0  # default --budget: stop timing new variants past this
 DEVICE = "cuda"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"int4_gemm_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-kernels = _load("triton_kernels")
-reference = _load("reference")
-fragment = _load("fragment_kernel")
-Plan = kernels.Plan
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    """Bytes read + written per second by a large device-to-device copy (median)."""
-    import triton.testing
-
-    src = torch.randn(int(gib * 2**30) // 4, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
 def random_layer(n: int, k: int, seed: int, dtype=torch.float16):
@@ -76,26 +60,6 @@ def random_layer(n: int, k: int, seed: int, dtype=torch.float16):
     scales = (torch.rand(n, groups, generator=g, device=DEVICE) * 0.02 + 0.001).to(dtype)
     zeros = torch.randint(0, 16, (n, groups), generator=g, device=DEVICE, dtype=torch.uint8)
     return qweight, scales, zeros
-
-
-def per_call_us(calls) -> float:
-    """Median microseconds per call of ``calls`` captured back to back in one CUDA graph."""
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
-    del graph
-    return ms * 1e3 / len(calls)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -124,11 +88,11 @@ def split_variants(tokens: int, n: int, k: int, sms: int) -> list:
     weight loads, and the alternatives around them: who adds the partial sums, pipeline depth,
     128-row programs (two warpgroups, registers capped for two programs an SM), 128-column
     steps (64 bytes of a row, one group at a time)."""
-    plan = kernels.split_plan(tokens, n, k, GROUP, sms)
+    plan = triton_kernels.split_plan(tokens, n, k, GROUP, sms)
     bk, split = plan.block_k, plan.split_k
 
     def splits(block_n, block_k, slots):
-        return kernels.split_k_for(-(-n // block_n), -(-k // block_k), slots, tokens, k)
+        return triton_kernels.split_k_for(-(-n // block_n), -(-k // block_k), slots, tokens, k)
 
     def prefetched(p):
         return Plan(**{**p.__dict__, "prefetch": True})
@@ -211,7 +175,7 @@ def rows_variants(tokens: int, k: int) -> list:
 def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: bool = True) -> list:
     """The default plan (``None``), the split-K kernel's plan (the default before the
     weights-first kernel) and its alternatives, the weights-first kernel's variants."""
-    default = kernels.default_plan(tokens, n, k, GROUP, sms)
+    default = triton_kernels.default_plan(tokens, n, k, GROUP, sms)
     plans = split_variants(tokens, n, k, sms)
     plans = (plans if split_alternatives else plans[:4]) + rows_variants(tokens, k)
     unique = []
@@ -224,21 +188,22 @@ def decode_variants(tokens: int, n: int, k: int, sms: int, split_alternatives: b
 
 
 def fragment_variants(tokens: int, n: int, k: int) -> list:
-    """The fragment kernel's plan (`fragment.fragment_plan`: what the CUDA executor runs), the
-    other warp counts, two tiles a program and evict-first words: those whose lanes hold at
-    most `fragment.LANE_STEPS` steps; none where the kernel takes no launch of this many tokens."""
-    base = fragment.fragment_plan(tokens, n, k, GROUP)
+    """The fragment kernel's plan (`fragment_kernel.fragment_plan`: what the CUDA executor
+    runs), the other warp counts, two tiles a program and evict-first words: those whose lanes
+    hold at most `fragment_kernel.LANE_STEPS` steps; none where the kernel takes no launch of
+    this many tokens."""
+    base = fragment_kernel.fragment_plan(tokens, n, k, GROUP)
     if base is None:
         return []
-    limit = fragment.LANE_STEPS
-    plans = [base] + [fragment.FragmentPlan(1, w) for w in (4, 8, 16)]
+    limit = fragment_kernel.LANE_STEPS
+    plans = [base] + [fragment_kernel.FragmentPlan(1, w) for w in (4, 8, 16)]
     plans += [
-        fragment.FragmentPlan(2, base.warps_k),
-        fragment.FragmentPlan(base.tiles, base.warps_k, evict_first=True),
+        fragment_kernel.FragmentPlan(2, base.warps_k),
+        fragment_kernel.FragmentPlan(base.tiles, base.warps_k, evict_first=True),
     ]
     unique = []
     for plan in plans:
-        steps = fragment.lane_steps(k, GROUP, plan.warps_k)
+        steps = fragment_kernel.lane_steps(k, GROUP, plan.warps_k)
         if plan not in unique and (steps <= limit or plan == base):
             unique.append(plan)
     return unique
@@ -302,11 +267,9 @@ def time_variant(
 
 
 def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alternatives=True):
-    import torch.nn.functional as F
-
     packed = n * k // 2
     sets = [random_layer(n, k, seed) for seed in range(max(4, math.ceil(ROTATION_BYTES / packed)))]
-    w_ref = reference.dequantize(*sets[0], GROUP)  # fp32 [N, K]
+    w_ref = dequantize(*sets[0], GROUP)  # fp32 [N, K]
     dense = [w_ref.half()] + [
         torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02
         for _ in range(max(2, math.ceil(ROTATION_BYTES / (2 * n * k))) - 1)
@@ -319,7 +282,7 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alt
         want = x.float() @ w_ref.T
         base = {"n": n, "k": k, "tokens": tokens}
         default_calls = None
-        fp16_us = per_call_us([lambda w=w: F.linear(x, w) for w in dense])
+        fp16_us = per_call_us([partial(F.linear, x, w) for w in dense])
         rows.append(
             {
                 **base,
@@ -329,15 +292,15 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alt
                 "fraction_of_copy_bw": 2 * n * k / (fp16_us * 1e-6) / bw,
             }
         )
-        timing = (rows, failures, deadline, base)
+        record = (rows, failures, deadline, base)
         for plan in (
             decode_variants(tokens, n, k, sms, split_alternatives) if decode else prefill_variants()
         ):
-            chosen = plan or kernels.default_plan(tokens, n, k, GROUP, sms)
-            calls = [lambda s=s, p=plan: kernels.int4_gemm(x, *s, plan=p, **kw) for s in sets]
+            chosen = plan or triton_kernels.default_plan(tokens, n, k, GROUP, sms)
+            calls = [partial(triton_kernels.int4_gemm, x, *s, plan=plan, **kw) for s in sets]
             # split_plan: the split-K kernel's own plan, the default before the weights-first one.
             row = time_variant(
-                *timing,
+                *record,
                 plan_name(plan),
                 calls[0],
                 calls,
@@ -346,19 +309,19 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alt
                 bw,
                 3,
                 plan=chosen.__dict__,
-                split_plan=chosen == kernels.split_plan(tokens, n, k, GROUP, sms),
+                split_plan=chosen == triton_kernels.split_plan(tokens, n, k, GROUP, sms),
             )
             if row is not None and plan is None:
                 default_calls = calls
-        if not fragment.fragment_supports(n, k, GROUP):
+        if not fragment_kernel.fragment_supports(n, k, GROUP):
             if fsets is None:
-                fsets = [fragment.fragment_pack(*s, GROUP) for s in sets]
+                fsets = [fragment_kernel.fragment_pack(*s, GROUP) for s in sets]
             for plan in fragment_variants(tokens, n, k) if decode else []:
                 calls = [
-                    lambda f=f, p=plan: fragment.int4_gemm_fragment(x, f, plan=p) for f in fsets
+                    partial(fragment_kernel.int4_gemm_fragment, x, f, plan=plan) for f in fsets
                 ]
                 time_variant(
-                    *timing,
+                    *record,
                     fragment_name(plan),
                     calls[0],
                     calls,
@@ -368,12 +331,12 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alt
                     4,
                     plan=plan.__dict__,
                     fragment=True,
-                    chosen=plan == fragment.fragment_plan(tokens, n, k, GROUP),
+                    chosen=plan == fragment_kernel.fragment_plan(tokens, n, k, GROUP),
                 )
             if not decode:  # what the executor runs for prefill on the fragment layout
-                calls = [lambda f=f: fragment.fragment_matmul(x, f) for f in fsets]
+                calls = [partial(fragment_kernel.fragment_matmul, x, f) for f in fsets]
                 time_variant(
-                    *timing,
+                    *record,
                     "fragment: dequantize + cuBLAS",
                     calls[0],
                     calls,
@@ -387,10 +350,8 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alt
         # The default plan once more, last: the spread between its two times is the noise.
         if default_calls is not None:
             rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
-            # And without programmatic dependent launch (trtc.plugins.kernels.pdl): what the overlap of
-            # one call's start with the previous call's tail is worth.
-            from trtc.plugins.kernels import pdl
-
+            # And without programmatic dependent launch (trtc.plugins.kernels.pdl): what the
+            # overlap of one call's start with the previous call's tail is worth.
             was = pdl.set_enabled(False)
             us = per_call_us(default_calls)
             pdl.set_enabled(was)
@@ -418,10 +379,10 @@ def check_bf16(failures) -> list:
     for tokens, k, plan in cases:
         qweight, scales, zeros = random_layer(4096, k, 99, torch.bfloat16)
         x = torch.randn(tokens, k, device=DEVICE, dtype=torch.bfloat16)
-        want = x.float() @ reference.dequantize(qweight, scales, zeros, GROUP).T
+        want = x.float() @ dequantize(qweight, scales, zeros, GROUP).T
         name = plan_name(plan)
         try:
-            got = kernels.int4_gemm(
+            got = triton_kernels.int4_gemm(
                 x,
                 qweight,
                 scales,
@@ -476,7 +437,7 @@ def summary(rows, bw):
         default = next((r for r in ours if r["variant"] == "default"), best)
         split = next((r for r in ours if r.get("split_plan")), default)
 
-        def merit(r):
+        def merit(r, tokens=tokens):
             return (
                 f"{r['fraction_of_copy_bw'] * 100:6.1f}%" if tokens <= 16 else f"{r['tflops']:7.1f}"
             )
@@ -519,7 +480,9 @@ def summary(rows, bw):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
     parser.add_argument("--decode-only", action="store_true", help="no prefill shapes")
     parser.add_argument("--prefill-only", action="store_true", help="no decode shapes")
@@ -537,8 +500,8 @@ def main() -> int:
         "past a shape's share are skipped)",
     )
     args = parser.parse_args()
-    import triton
-
+    if args.decode_only and args.prefill_only:
+        parser.error("--decode-only and --prefill-only leave nothing to time")
     start = time.monotonic()
     props = torch.cuda.get_device_properties(0)
     results = {
@@ -555,8 +518,6 @@ def main() -> int:
     )
     rows, failures = [], []
     results["bf16_checks"] = check_bf16(failures)
-    if args.decode_only and args.prefill_only:
-        parser.error("--decode-only and --prefill-only leave nothing to time")
     token_sets = ([] if args.prefill_only else [DECODE_TOKENS]) + (
         [] if args.decode_only else [PREFILL_TOKENS]
     )

@@ -1,40 +1,29 @@
 """Check and time the Triton PagedAttention kernels on a GPU against the torch reference and the
-device's measured copy bandwidth. Runs standalone (no install needed):
+device's measured copy bandwidth. Runs from the repository root (trtc installed):
 
     python3 benchmarks/paged_attention.py [--out results.json]
 
 Decode figure of merit: K/V bytes the step must read (each sequence's whole context, once) per
-second, over the bandwidth of a large device-to-device copy measured in the same run.
+second, over the bandwidth of a large device-to-device copy measured in the same run
+(`timing.copy_bandwidth`, 4 GiB). Times are medians of CUDA-graph replays, per call where
+several calls are captured back to back (`timing.per_call_us`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+from trtc.plugins.kernels import pdl
+from trtc.plugins.paged_attention import triton_kernels
+from trtc.plugins.paged_attention.reference import paged_attention as reference_attention
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
-    import triton.testing
-
-    src = torch.randn(int(gib * 2**30) // 4, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    return 2 * src.numel() * 4 / (ms * 1e-3)
+from timing import copy_bandwidth, per_call_us
 
 
 def make_decode_step(batch, context, heads, kv_heads, head_dim, block_size, dtype, seed=0):
@@ -59,14 +48,18 @@ def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def main() -> int:
-    import triton.testing
+def graph_us(*calls) -> float:
+    """Median microseconds per call of ``calls`` captured back to back in one CUDA graph (no
+    launch gaps), as the CUDA executor runs them."""
+    return per_call_us(calls, warmup=25, rep=100)
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
     args = parser.parse_args()
-    kernels = _load("triton_kernels")
-    reference = _load("reference")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     bw = copy_bandwidth()
     results["copy_bandwidth_TBps"] = bw / 1e12
@@ -98,10 +91,10 @@ def main() -> int:
             )
             kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D**-0.5)
             qd, kd, vd, cd = (x.to(dtype) for x in (q, k, v, cache))
-            want, _ = reference.paged_attention(
+            want, _ = reference_attention(
                 qd.float(), kd.float(), vd.float(), cd.float().clone(), *step, **kw
             )
-            got, got_cache = kernels.paged_attention(
+            got, got_cache = triton_kernels.paged_attention(
                 qd.cuda(), kd.cuda(), vd.cuda(), cd.cuda(), *(x.cuda() for x in step), **kw
             )
             err = rel_err(got.cpu(), want)
@@ -118,20 +111,8 @@ def main() -> int:
     step = make_decode_step(batch, context, H, KV, D, BS, torch.float16)
     kv_bytes = 2 * batch * (context + 1) * KV * D * 2
     kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D**-0.5)
+    attention = partial(triton_kernels.paged_attention, **kw)
     rows = []
-
-    def graph_time(fn) -> float:
-        """Median microseconds of one replay of ``fn`` captured in a CUDA graph (no launch gaps),
-        as the CUDA executor runs it."""
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
     # Measured 2026-12-02/03 (docs/gpu-kernels.md): tile 32/64/128, 2/4/8 splits, warps 2/4/8,
     # stages 1/2/3, grid order, V loaded early, block ids loaded a tile ahead, and a kernel that
@@ -146,7 +127,8 @@ def main() -> int:
         for warps, stages in ((2, 3), (4, 2))
     ]
     for v in variants:
-        fn = lambda: kernels.paged_attention(
+        call = partial(
+            attention,
             *step,
             tile_k=v["tile_k"],
             num_splits=v["splits"],
@@ -154,10 +136,9 @@ def main() -> int:
             num_stages=v["stages"],
             merge=v["merge"],
             write_kv=False,
-            **kw,
         )
         try:
-            us = graph_time(fn)
+            us = graph_us(call)
         except Exception as e:  # e.g. out of shared memory for a tile/stage combination
             print(f"decode {v}: failed ({type(e).__name__}: {str(e)[:100]})")
             continue
@@ -174,45 +155,38 @@ def main() -> int:
         num_stages=best["stages"],
         merge=best["merge"],
     )
-    us = graph_time(lambda: kernels.paged_attention(*step, num_splits=best["splits"], **opts, **kw))
+    us = graph_us(partial(attention, *step, num_splits=best["splits"], **opts))
     results["decode_with_write"] = {"us": us, "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw}
     print(f"best with the write kernel: {us:.1f} us, {kv_bytes / (us * 1e-6) / bw * 100:.1f}%")
     q, k, v, cache, slots, tables, lens, qsl = step
     fp8_step = (q, k, v, cache.to(torch.float8_e4m3fn), slots, tables, lens, qsl)
-    us = graph_time(
-        lambda: kernels.paged_attention(
-            *fp8_step, num_splits=best["splits"], k_scale=0.02, v_scale=0.02, **opts, **kw
-        )
+    us = graph_us(
+        partial(attention, *fp8_step, num_splits=best["splits"], k_scale=0.02, v_scale=0.02, **opts)
     )
-    results["decode_fp8_cache"] = {"us": us, "fraction_of_copy_bw": kv_bytes / 2 / (us * 1e-6) / bw}
-    print(
-        f"best on an FP8 cache (half the bytes): {us:.1f} us, {kv_bytes / 2 / (us * 1e-6) / bw * 100:.1f}%"
-    )
+    fp8_fraction = kv_bytes / 2 / (us * 1e-6) / bw
+    results["decode_fp8_cache"] = {"us": us, "fraction_of_copy_bw": fp8_fraction}
+    print(f"best on an FP8 cache (half the bytes): {us:.1f} us, {fp8_fraction * 100:.1f}%")
     results["decode"] = rows
-    auto = kernels.plan(batch, batch, H, KV)
-    fn = lambda: kernels.paged_attention(*step, write_kv=False, **kw)
-    us = graph_time(fn)
+    auto = triton_kernels.plan(batch, batch, H, KV)
+    us = graph_us(partial(attention, *step, write_kv=False))
     results["decode_default"] = {
         "plan": auto,
         "us": us,
         "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw,
     }
     print(
-        f"decode default plan {auto} (attention only): {us:.1f} us, {kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth"
+        f"decode default plan {auto} (attention only): {us:.1f} us, "
+        f"{kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth"
     )
     # Back to back, as a decode step runs them (one launch per layer): 8 layers' caches, the
     # calls captured in one graph, with and without programmatic dependent launch (the next
     # launch overlaps the previous one's tail; trtc.plugins.kernels.pdl).
-    from trtc.plugins.kernels import pdl
-
     layers = [step] + [
         make_decode_step(batch, context, H, KV, D, BS, torch.float16, seed=s) for s in range(1, 8)
     ]
     for on in (True, False):
         was = pdl.set_enabled(on)
-        us = graph_time(
-            lambda: [kernels.paged_attention(*s, write_kv=False, **kw) for s in layers]
-        ) / len(layers)
+        us = graph_us(*(partial(attention, *s, write_kv=False) for s in layers))
         pdl.set_enabled(was)
         results[f"decode_back_to_back_{'pdl' if on else 'no_pdl'}"] = {
             "us_per_call": us,
@@ -234,14 +208,12 @@ def main() -> int:
             (8, "kernel"),
             (4, "last"),
         ):
-            us = graph_time(
-                lambda: [
-                    kernels.paged_attention(
-                        *s, write_kv=False, num_splits=splits, merge=merge, **kw
-                    )
+            us = graph_us(
+                *(
+                    partial(attention, *s, write_kv=False, num_splits=splits, merge=merge)
                     for s in one
-                ]
-            ) / len(one)
+                )
+            )
             results["batch1"].append(
                 {"context": ctx, "splits": splits, "merge": merge, "us_per_call": us}
             )

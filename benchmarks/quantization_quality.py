@@ -14,12 +14,15 @@ reference's topics), both installed with the environment (no download):
         [--texts stdlib-docs,torch-readme] [--window 512] [--max-windows N] [--no-bos]
 
 The RTN row is the AWQ config with ``quantization.method: rtn`` (same group size, no
-calibration); the kv-fp8 row is the fp16 config with ``kv_cache.dtype: fp8``. Artifacts already in ``--work`` that were built from the same config are reused.
+calibration); the kv-fp8 row is the fp16 config with ``kv_cache.dtype: fp8``. Artifacts already
+in ``--work`` that were built from the same config are reused. The table and the rows
+(``quality.json`` in ``--work``) are what docs/quantization.md records.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import platform
@@ -28,6 +31,9 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
+
+from trtc.artifact import Artifact
+from trtc.errors import ArtifactError
 
 # Modules whose pydoc text is the ``stdlib-docs`` held-out text: the calibration text is the
 # language reference (pydoc_data.topics), these are library documentation.
@@ -107,35 +113,55 @@ def config_for(method: str) -> dict:
     return data
 
 
-def build_or_reuse(method: str, work: Path) -> tuple[Path, float | None]:
+def build_or_reuse(method: str, work: Path) -> tuple[Artifact, float | None]:
+    """The row's artifact in ``work``, reused if it was built from the same config (else built
+    again, its build time returned too)."""
     from trtc.compiler.build import build
     from trtc.compiler.config import parse_config
 
     cfg = parse_config(config_for(method), CONFIGS[method])
     out = work / method
-    manifest = out / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text())["build"]["config"] == cfg.model_dump(
-        mode="json"
-    ):
-        return out, None
+    if (out / "manifest.json").is_file():
+        try:
+            artifact = Artifact.open(out)
+        except ArtifactError:  # written by another trtc: built again below
+            artifact = None
+        if artifact and artifact.manifest.build.get("config") == cfg.model_dump(mode="json"):
+            return artifact, None
     t0 = time.perf_counter()
     build(cfg, output=str(out), force=True)
-    return out, time.perf_counter() - t0
+    return Artifact.open(out), time.perf_counter() - t0
+
+
+def linear_bytes_ratio(artifact: Artifact) -> float:
+    """The quantized Linears' bytes (weights, scales, zeros) over their fp16 bytes; 1 where
+    nothing is quantized."""
+    q = artifact.manifest.quantization
+    fp16 = (q.model_extra or {}).get("linear_weight_bytes_fp16")
+    return q.linear_weight_bytes_quantized / fp16 if fp16 else 1.0
 
 
 def main(argv: list[str] | None = None) -> None:
     from trtc.runtime.evaluate import perplexity
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--work", default="builds/quality", help="where the artifacts are built (and reused)"
     )
-    p.add_argument("--methods", default="fp16,rtn,awq,gptq,fp8")
+    p.add_argument(
+        "--methods",
+        default="fp16,rtn,awq,gptq,fp8",
+        help="rows, comma-separated, of: " + ", ".join(CONFIGS),
+    )
     p.add_argument(
         "--texts", default=",".join(HELDOUT), help="held-out texts: " + ", ".join(HELDOUT)
     )
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--window", type=int, default=512, help="tokens a window (default 512)")
+    p.add_argument(
+        "--max-windows", type=int, default=None, help="score only the first N windows of a text"
+    )
     p.add_argument(
         "--no-bos",
         dest="bos",
@@ -149,17 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for method in args.methods.split(","):
         art, build_s = build_or_reuse(method, work)
-        m = json.loads((art / "manifest.json").read_text())
-        q = m["quantization"]
         row = {
             "method": method,
-            "group_size": q.get("group_size"),
+            "group_size": art.manifest.quantization.group_size,
             "build_s": build_s,
-            "linear_bytes_ratio": (
-                q["linear_weight_bytes_quantized"] / q["linear_weight_bytes_fp16"]
-                if "linear_weight_bytes_fp16" in q
-                else 1.0
-            ),
+            "linear_bytes_ratio": linear_bytes_ratio(art),
             "bos": args.bos,
             "perplexity": {},
             "tokens": {},
@@ -176,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for name in texts:
         print(
-            f"held-out {name}: {describe(name)}, {rows[0]['tokens'][name]} tokens, window {args.window}"
-            + (", each opened by BOS" if args.bos else ", no BOS")
+            f"held-out {name}: {describe(name)}, {rows[0]['tokens'][name]} tokens, "
+            f"window {args.window}" + (", each opened by BOS" if args.bos else ", no BOS")
         )
     print(
         "| artifact | group | "

@@ -13,8 +13,9 @@ word. Sizes: the packed INT4 weights of the Int4Gemm benchmark's shapes ([4096, 
 [11008, 4096] (33.6 / 90.2 MB, the dense GEMV's). Each size is timed for chunks of 8-64 KB a program
 and 4-16 warps, with and without PDL, with the loads evict-first, as TMA bulk loads, with an L2
 prefetch of the next launch's weight, and as a plain device-to-device copy of the same bytes
-(torch ``copy_``, bytes read only in the figure). Results: docs/gpu-kernels.md. The figure of merit is bytes read per second
-over the bandwidth of a 4 GiB copy (bytes read + written), as in the kernels' benchmarks.
+(torch ``copy_``, bytes read only in the figure). Results: docs/gpu-kernels.md. The figure of
+merit is bytes read per second over the bandwidth of a 4 GiB copy (bytes read + written), as in
+the kernels' benchmarks (`timing.copy_bandwidth`, `timing.per_call_us`, `timing.ROTATION_BYTES`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.plugins.int4_gemm.benchmark import ROTATION_BYTES, copy_bandwidth, per_call_us
 from trtc.plugins.int4_gemm.triton_kernels import _PREFETCH_L2
 from trtc.plugins.kernels import pdl
+
+from timing import ROTATION_BYTES, copy_bandwidth, per_call_us
 
 SIZES = {
     "int4 [4096, 4096]": 4096 * 4096 // 2,
@@ -141,7 +143,9 @@ def tma_calls(sets, out, rows: int, warps: int, use_pdl: bool):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
     args = parser.parse_args()
     bw = copy_bandwidth()
@@ -202,7 +206,7 @@ def main() -> int:
         variants.append(
             (
                 "copy_ (reads + writes)",
-                [lambda s=s, i=i: dsts[i % 2].copy_(s) for i, s in enumerate(sets)],
+                [lambda s=s, d=dsts[i % 2]: d.copy_(s) for i, s in enumerate(sets)],
             )
         )
         for variant, calls in variants:
@@ -232,7 +236,8 @@ def main() -> int:
         )
         print(
             f"{name:20s} best: {best['variant']} {best['us']:.2f} us = "
-            f"{100 * best['fraction_of_copy_bw']:.1f}%; the transfer alone {nbytes / bw * 1e6:.2f} us"
+            f"{100 * best['fraction_of_copy_bw']:.1f}%; "
+            f"the transfer alone {nbytes / bw * 1e6:.2f} us"
         )
         del sets, dsts
         torch.cuda.empty_cache()

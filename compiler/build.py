@@ -183,7 +183,7 @@ def build_rtx(
         summary = lowering_summary(lowered)
         done["detail"] = ", ".join(
             f"{k} {v}"
-            for k, v in sorted(summary.items())
+            for k, v in sorted(summary["op_counts"].items())
             if k in ("Attention", "TRT_KVCacheUpdate")
         )
     with progress.stage(

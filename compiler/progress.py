@@ -67,9 +67,7 @@ class Progress:
             return
         name, status = self._status
         if status is not None:
-            self.lines.append(
-                f"{datetime.now(UTC).strftime('%H:%M:%S')} {name}: {message}"
-            )
+            self.lines.append(f"{datetime.now(UTC).strftime('%H:%M:%S')} {name}: {message}")
             status.update(f"[bold]{name}[/]: {message}")
         else:
             self.log(f"{name}: {message}")

@@ -35,15 +35,21 @@ def _sha256_files(paths: list[Path], root: Path | None = None) -> str:
     return h.hexdigest()
 
 
-def _hf_kwargs(cfg: BuildConfig) -> tuple[str, dict]:
-    path = resolve_path(cfg.model.path)
-    if cfg.model.source == "gguf":
+def _hf_location(kind: str, path: Path) -> tuple[str, dict]:
+    """What transformers' ``from_pretrained`` takes for a checkpoint: a GGUF file is named by
+    its directory and ``gguf_file``."""
+    if kind == "gguf":
         return str(path.parent), {"gguf_file": path.name}
     return str(path), {}
 
 
+def _hf_kwargs(cfg: BuildConfig) -> tuple[str, dict]:
+    return _hf_location(cfg.model.source, resolve_path(cfg.model.path))
+
+
 def load_hf_config(cfg: BuildConfig):
-    """The model's transformers config, checked for a supported architecture before any weights load."""
+    """The model's transformers config, checked for a supported architecture before any weights
+    load."""
     from transformers import AutoConfig
 
     if cfg.model.source == "tiny":
@@ -136,10 +142,5 @@ def load_source_model(source: dict, dtype: torch.dtype = torch.float32):
 
     if source["kind"] == "tiny":
         return tiny_model(source["path"], source.get("seed", 0)).to(dtype)
-    path = Path(source["path"])
-    where, kwargs = (
-        (str(path.parent), {"gguf_file": path.name})
-        if source["kind"] == "gguf"
-        else (str(path), {})
-    )
+    where, kwargs = _hf_location(source["kind"], Path(source["path"]))
     return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()

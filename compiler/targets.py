@@ -7,11 +7,33 @@ from importlib import resources
 
 import yaml
 
+from trtc.errors import ConfigError
+
 
 @cache
 def architecture_profiles() -> dict[str, dict]:
     text = resources.files("trtc.configs").joinpath("architectures.yaml").read_text()
     return yaml.safe_load(text)
+
+
+def check_known(targets: list[str]) -> None:
+    """Refuse targets the profiles do not list, naming those they do."""
+    profiles = architecture_profiles()
+    unknown = [t for t in targets if t not in profiles]
+    if unknown:
+        raise ConfigError(
+            f"backend.targets: {', '.join(unknown)} not a known architecture "
+            f"(allowed: {', '.join(profiles)})"
+        )
+
+
+def describe_targets(targets: list[str]) -> str:
+    """``sm86 (RTX 3090, compute capability 8.6), ...``: how a refusal names targets."""
+    profiles = architecture_profiles()
+    return ", ".join(
+        f"{t} ({profiles[t]['example']}, compute capability {profiles[t]['compute_capability']})"
+        for t in targets
+    )
 
 
 def quantization_format(method: str) -> str | None:

@@ -81,7 +81,7 @@ def test_bad_config_fails_with_one_line(tmp_path, case, config, expect):
     out = tmp_path / "out"
     r = run("build", str(write_config(tmp_path, config)), "--output", str(out))
     assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and expect in lines[0], lines[0]
     assert not out.exists()
@@ -103,7 +103,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         str(out),
     )
     assert r.returncode == 1
-    err = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1
     assert "unsupported architecture 'GPT2LMHeadModel'" in err[0]
     assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in err[0]
@@ -116,7 +116,7 @@ def test_unwritable_output(tmp_path):
     out = blocker / "artifact"
     r = run("build", str(write_config(tmp_path, TINY)), "--output", str(out))
     assert r.returncode == 2
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: output: cannot write to"), r.stderr
     assert blocker.read_text() == "not a directory"
 
@@ -212,7 +212,7 @@ def test_tensorrt_backend_without_tensorrt_says_how_to_install(tmp_path):
     cfg = write_config(tmp_path, TINY + "backend: {name: tensorrt, targets: [sm90]}\n")
     r = run("build", str(cfg), "-o", str(out))
     assert r.returncode == 2
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert (
         len(lines) == 1 and "pip install tensorrt-cu12" in lines[0] and "tensorrt-rtx" in lines[0]
     )

@@ -1,5 +1,5 @@
 """Lower the optimised paged graph to the slot contract (`slot_contract.py`) with native
-TensorRT-RTX layers only.
+TensorRT-RTX layers only (TensorRT-RTX takes no custom plugins).
 
 What changes, and what does not:
 
@@ -26,15 +26,14 @@ What changes, and what does not:
 
 Precision is untouched (strongly typed: the graph's dtypes are the engine's). A KV cache dtype
 other than the model's is written through a Cast and read back through a Cast of the whole cache
-to the model dtype (attending in the cache dtype instead, with Q cast, crashes TensorRT-RTX
-1.7's attention fusion); it costs a pass over the cache per layer, so prefer the model dtype. ``RotaryEmbedding``
-and ``RMSNormalization`` stay: the RTX parser takes them. The ``trtc::SwiGLU`` local function is
-inlined: the parser takes functions too, but imports every call under the body's node names
-and warns that all but the first are not queryable.
+to the model dtype, because TensorRT-RTX's attention fusion does not attend in the cache dtype;
+that costs a pass over the cache per layer, so prefer the model dtype. ``RotaryEmbedding`` and
+``RMSNormalization`` stay: the RTX parser takes them. The ``trtc::SwiGLU`` local function is
+inlined: the parser takes functions too, but imports every call under the body's node names and
+warns that all but the first are not queryable.
 
 Quantized GEMMs become DequantizeLinear + MatMul, the pattern of TensorRT's weight-only INT4 and
-FP8 GEMMs. Built CPU-only, the plan keeps the weights INT4 / FP8 (`tests/test_rtx_quantized.py`
-checks its size); which kernel runs is chosen on the GPU, which this machine cannot observe.
+FP8 GEMMs:
 
 * ``trtc::Int4Gemm`` (plugins/int4_gemm/reference.py), since ``(q - z) s = (q - 8) s + (8 - z) s``::
 
@@ -42,30 +41,24 @@ checks its size); which kernel runs is chosen on the GPU, which this machine can
       y = x @ Transpose(w)  +  (x @ E) @ shift  (+ bias)
       E [K, G] one-hot (column k -> group k // g);  shift [G, N] = ((8 - zeros) * scales).T
 
-  Measured with TensorRT-RTX 1.7's parser: it imports no UINT4 initializer ("cannot be imported
-  into TensorRT"), takes no non-zero zero point ("Non-zero zero point is not supported") and no
-  partial last block ("The quantization axis must divide into whole blocks"). Hence:
-  - the packed bytes XOR 0x88 are the INT4 ``q - 8``, in the same layout;
-  - the zero points become a correction through the G = ceil(K / g) group sums of x: two small
-    GEMMs (K x G, then G x N; about 2/g of the main GEMM's work on a square layer);
-  - the blocks are ``b = gcd(g, K)`` columns, each group's scale repeated ``g / b`` times: exact
-    (every block lies inside one group), and plain ``block_size = g`` when g divides K. SmolLM2
-    (K = 576, g = 128) gets b = 64, 9 scales a row instead of 5. Widths that are multiples of 64
-    keep b >= 64 for g <= 128; an odd width such as K = 1000 would get b = 8. The alternative,
-    padding K to whole groups and slicing the dequantized weight, also builds, but puts a Slice
-    between DQ and MatMul, and made a 960 x 576 layer's engine 459 KB against 307 KB.
-  The DQ runs along axis 1 of the ``[N, K]`` weight (blocks along K, the bytes' own layout) and a
-  Transpose feeds the MatMul; DQ of a repacked ``[K, N]`` along axis 0 gives an engine of the
-  same size, so the bytes are not repacked.
+  The parser takes signed INT4 only, no zero point and whole blocks only. Hence the packed bytes
+  XOR 0x88 are the INT4 ``q - 8`` in the same layout; the zero points become a correction through
+  the ``G = ceil(K / g)`` group sums of x (two small GEMMs); and the blocks are ``b = gcd(g, K)``
+  columns, each group's scale repeated ``g / b`` times, which is exact because every block lies
+  inside one group (``b = g`` when g divides K). The DQ runs along axis 1 of the ``[N, K]``
+  weight, the bytes' own layout, and a Transpose feeds the MatMul, so the bytes are not repacked.
 * ``trtc::Fp8Gemm`` (plugins/fp8_gemm/reference.py)::
 
-      x_q = DequantizeLinear(QuantizeLinear(x, input_scale, E4M3 zero point, saturate=1), input_scale)
+      x_q = DequantizeLinear(QuantizeLinear(x, input_scale, E4M3 zero, saturate=1), input_scale)
       y   = x_q @ Transpose(DequantizeLinear(weight, weight_scale, axis=0))  (+ bias)
 
   The scales stay fp32 as the plugin defines them (``x / input_scale`` in fp32); the DQs' opset-23
-  ``output_dtype`` makes their outputs the model dtype. An E4M3 engine builds for sm89 and newer
-  only (for sm86 the builder fails: "the model contains HW-specific datatypes: fp8_e4m3"); the
-  config check refuses FP8 on Ampere before any work.
+  ``output_dtype`` makes their outputs the model dtype. TensorRT-RTX builds E4M3 engines for sm89
+  and newer only, so the config check refuses FP8 on Ampere before any work.
+
+Built CPU-only, the plan keeps the weights INT4 / FP8; which kernel runs is chosen on the GPU.
+What the parser refused, and the variants measured against these choices, are in
+docs/design-notes.md ("TensorRT-RTX lowering").
 """
 
 from __future__ import annotations
@@ -137,6 +130,13 @@ class _Builder:
     def const(self, name: str, value) -> gs.Constant:
         return gs.Constant(name, np.asarray(value))
 
+    def ints(self, name: str, value) -> gs.Constant:
+        """An int64 constant (a scalar, or a list for shapes and axes)."""
+        return self.const(name, np.array(value, np.int64))
+
+    def unsqueeze(self, name: str, x: gs.Tensor, axis: int, axis_name: str, dtype) -> gs.Variable:
+        return self.op("Unsqueeze", name, [x, self.ints(axis_name, [axis])], dtype)
+
     def op(
         self, op: str, name: str, inputs: list, dtype=None, outputs: list | None = None, **attrs
     ) -> gs.Variable:
@@ -156,12 +156,12 @@ def _step_tensors(
     """Token shape, flat positions and one attention mask per sliding window (0 = none)."""
     ids_shape = b.op("Shape", "step.ids_shape", [input_ids], np.int64)  # [B, S]
     new_tokens = b.op(
-        "Gather", "step.new_tokens", [ids_shape, b.const("step.one", np.int64(1))], np.int64, axis=0
+        "Gather", "step.new_tokens", [ids_shape, b.ints("step.one", 1)], np.int64, axis=0
     )
     offsets = b.op(
         "Range",
         "step.offsets",
-        [b.const("step.zero", np.int64(0)), new_tokens, b.const("step.step", np.int64(1))],
+        [b.ints("step.zero", 0), new_tokens, b.ints("step.step", 1)],
         np.int64,
     )  # [S]
     cached = b.op("Cast", "step.cached", [cache_positions], np.int64, to=onnx.TensorProto.INT64)
@@ -169,67 +169,35 @@ def _step_tensors(
         "Add",
         "step.query_positions",
         [
-            b.op(
-                "Unsqueeze",
-                "step.cached_col",
-                [cached, b.const("step.axis1", np.array([1], np.int64))],
-                np.int64,
-            ),
-            b.op(
-                "Unsqueeze",
-                "step.offsets_row",
-                [offsets, b.const("step.axis0", np.array([0], np.int64))],
-                np.int64,
-            ),
+            b.unsqueeze("step.cached_col", cached, 1, "step.axis1", np.int64),
+            b.unsqueeze("step.offsets_row", offsets, 0, "step.axis0", np.int64),
         ],
         np.int64,
     )  # [B, S]
-    # Padding tokens may run past the rope table; their results are never read.
-    rope_pos = b.op(
-        "Min",
-        "step.rope_positions",
-        [query_pos, b.const("step.rope_last", np.array(rope_rows - 1, np.int64))],
-        np.int64,
-    )
-    flat_positions = b.op(
-        "Reshape",
-        "step.positions",
-        [rope_pos, b.const("step.flat", np.array([-1], np.int64))],
-        np.int64,
-    )
 
-    last = b.op(
-        "Min",
-        "step.mask_query",
-        [query_pos, b.const("step.cache_last", np.array(max_seq_len - 1, np.int64))],
-        np.int64,
+    def at_most(name: str, limit_name: str, limit: int) -> gs.Variable:
+        return b.op("Min", name, [query_pos, b.ints(limit_name, limit)], np.int64)
+
+    # Padding tokens may run past the rope table; their results are never read.
+    rope_pos = at_most("step.rope_positions", "step.rope_last", rope_rows - 1)
+    flat_positions = b.op(
+        "Reshape", "step.positions", [rope_pos, b.ints("step.flat", [-1])], np.int64
     )
-    last = b.op(
-        "Unsqueeze",
-        "step.mask_query_col",
-        [last, b.const("step.axis2", np.array([2], np.int64))],
-        np.int64,
-    )  # [B, S, 1]
+    last = at_most("step.mask_query", "step.cache_last", max_seq_len - 1)
+    last = b.unsqueeze("step.mask_query_col", last, 2, "step.axis2", np.int64)  # [B, S, 1]
     keys = b.const("step.key_positions", np.arange(max_seq_len, dtype=np.int64))  # [Smax]
     causal = b.op("LessOrEqual", "step.causal", [keys, last], np.bool_)  # [B, S, Smax]
     masks = {}
     for window in sorted(windows):
         visible = causal
         if window > 0:
-            first = b.op(
-                "Sub",
-                f"step.window{window}.first",
-                [last, b.const(f"step.window{window}", np.array(window, np.int64))],
-                np.int64,
-            )
-            inside = b.op("Greater", f"step.window{window}.inside", [keys, first], np.bool_)
-            visible = b.op("And", f"step.window{window}.visible", [causal, inside], np.bool_)
+            w = f"step.window{window}"
+            first = b.op("Sub", f"{w}.first", [last, b.ints(w, window)], np.int64)
+            inside = b.op("Greater", f"{w}.inside", [keys, first], np.bool_)
+            visible = b.op("And", f"{w}.visible", [causal, inside], np.bool_)
         tag = f"window{window}" if window else "causal"
-        masks[window] = b.op(
-            "Unsqueeze",
-            f"step.mask.{tag}",
-            [visible, b.const(f"step.mask.{tag}.axis1", np.array([1], np.int64))],
-            np.bool_,
+        masks[window] = b.unsqueeze(
+            f"step.mask.{tag}", visible, 1, f"step.mask.{tag}.axis1", np.bool_
         )
     return ids_shape, flat_positions, masks
 
@@ -255,7 +223,7 @@ def _lower_attention(
         shape = b.op(
             "Concat",
             f"{p}.{what}_shape",
-            [ids_shape, b.const(f"{p}.{what}_heads", np.array([n, head_dim], np.int64))],
+            [ids_shape, b.ints(f"{p}.{what}_heads", [n, head_dim])],
             np.int64,
             axis=0,
         )
@@ -292,7 +260,7 @@ def _lower_attention(
     b.op(
         "Reshape",
         f"{p}.attn_flat",
-        [y, b.const(f"{p}.attn_width", np.array([-1, heads * head_dim], np.int64))],
+        [y, b.ints(f"{p}.attn_width", [-1, heads * head_dim])],
         outputs=[attn_out],
     )
 
@@ -356,6 +324,16 @@ def _group_sum_matrix(b: _Builder, k: int, group_size: int, dtype) -> gs.Constan
     return b.shared[name]
 
 
+def _dequantized_matmul(
+    b: _Builder, p: str, x: gs.Tensor, dq_inputs: list, dtype, **dq_attrs
+) -> gs.Variable:
+    """``x @ Transpose(DequantizeLinear(*dq_inputs))``: the weight stays ``[N, K]``, its bytes'
+    own layout, and the Transpose feeds the MatMul."""
+    w = b.op("DequantizeLinear", f"{p}.dequantize", dq_inputs, dtype, **dq_attrs)  # [N, K]
+    w_t = b.op("Transpose", f"{p}.weight_t", [w], dtype, perm=[1, 0])  # [K, N]
+    return b.op("MatMul", f"{p}.matmul", [x, w_t], dtype)
+
+
 def _lower_int4_gemm(b: _Builder, node: gs.Node, dtype) -> None:
     """``trtc::Int4Gemm`` (plugins/int4_gemm/reference.py) as symmetric INT4 block DQ + MatMul
     plus a zero-point correction (see the module docstring)::
@@ -383,19 +361,11 @@ def _lower_int4_gemm(b: _Builder, node: gs.Node, dtype) -> None:
     # inside one group, so repeating each group's scale g / block times is exact.
     block = math.gcd(g, k)
     block_scales = np.repeat(scales.astype(np.float32), g // block, axis=1)[:, : k // block]
-    weight = b.op(
-        "DequantizeLinear",
-        f"{p}.dequantize",
-        [
-            _int4_constant(f"{p}.int4_weight", qweight),
-            b.const(f"{p}.block_scales", block_scales.astype(dtype)),
-        ],
-        dtype,
-        axis=1,
-        block_size=block,
-    )  # [N, K]
-    weight_t = b.op("Transpose", f"{p}.weight_t", [weight], dtype, perm=[1, 0])  # [K, N]
-    y = b.op("MatMul", f"{p}.matmul", [x, weight_t], dtype)
+    weight = [
+        _int4_constant(f"{p}.int4_weight", qweight),
+        b.const(f"{p}.block_scales", block_scales.astype(dtype)),
+    ]
+    y = _dequantized_matmul(b, p, x, weight, dtype, axis=1, block_size=block)
     shift = ((INT4_ZERO - zeros.astype(np.float32)) * scales.astype(np.float32)).T  # [G, N]
     group_sums = b.op("MatMul", f"{p}.group_sums", [x, _group_sum_matrix(b, k, g, dtype)], dtype)
     correction = b.op(
@@ -441,16 +411,9 @@ def _lower_fp8_gemm(b: _Builder, node: gs.Node, dtype) -> None:
         dtype,
         output_dtype=model_type,
     )
-    w = b.op(
-        "DequantizeLinear",
-        f"{p}.dequantize",
-        [weight, weight_scale],
-        dtype,
-        axis=0,
-        output_dtype=model_type,
-    )  # [N, K]
-    w_t = b.op("Transpose", f"{p}.weight_t", [w], dtype, perm=[1, 0])  # [K, N]
-    y = b.op("MatMul", f"{p}.matmul", [x_q, w_t], dtype)
+    y = _dequantized_matmul(
+        b, p, x_q, [weight, weight_scale], dtype, axis=0, output_dtype=model_type
+    )
     _replace(node, _bias(b, node, y, dtype))
 
 
@@ -539,7 +502,7 @@ def lower_for_rtx(model: onnx.ModelProto, manifest: Manifest, max_seq_len: int) 
     b.op(
         "Reshape",
         "step.input_ids_flat",
-        [input_ids, b.const("step.ids_flat", np.array([-1], np.int64))],
+        [input_ids, b.ints("step.ids_flat", [-1])],
         outputs=[flat_ids],
     )
     old_positions = tensors["positions"]

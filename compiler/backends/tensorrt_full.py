@@ -1,6 +1,6 @@
-"""Build full-TensorRT engines from the paged graph itself: the ``trtc`` plugin nodes stay and run as
-the ``IPluginV3`` plugins of `trtc.plugins.tensorrt` (the KV cache updated in place through an
-aliased plugin output), one engine per target architecture.
+"""Build full-TensorRT engines from the paged graph itself: the ``trtc`` plugin nodes stay and
+run as the ``IPluginV3`` plugins of `trtc.plugins.tensorrt` (the KV cache updated in place
+through an aliased plugin output), one engine per target architecture.
 
 Full TensorRT builds on the GPU it builds for (it times kernels there), so a target must be the
 local GPU's compute capability; ``hardware_compatibility="ampere_plus"`` instead builds one
@@ -8,8 +8,8 @@ engine that runs on every Ampere or newer GPU (TensorRT's AMPERE_PLUS level: few
 48 KiB of shared memory per block). Timing caches persist per target in the user's cache
 directory (the build output is replaced on each build; the cache must outlive it).
 
-Not exercised by the test suite: full TensorRT cannot be installed on these machines, and
-building needs the target GPU. Written from the TensorRT 10 Python API documentation.
+Building needs full TensorRT and the target GPU; the tests check what can be checked without
+them (see docs/design-notes.md, "Full TensorRT backend and the TensorRT executor").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import onnx
 from trtc import artifact, envs
 from trtc.artifact import Limits, Manifest, TensorRecord
 from trtc.compiler.backends.tensorrt_rtx import build_plan, engine_record, network_io, parse_network
-from trtc.compiler.targets import architecture_profiles
+from trtc.compiler.targets import architecture_profiles, check_known, describe_targets
 from trtc.contract import (
     MAX_BLOCKS,
     NUM_BLOCKS,
@@ -81,12 +81,7 @@ def check_targets(targets: list[str], hardware_compatibility: str = "none") -> N
             f"backend.hardware_compatibility: {hardware_compatibility!r} (allowed: "
             f"{', '.join(HARDWARE_COMPATIBILITY)})"
         )
-    unknown = [t for t in targets if t not in profiles]
-    if unknown:
-        raise ConfigError(
-            f"backend.targets: {', '.join(unknown)} not a known architecture "
-            f"(allowed: {', '.join(profiles)})"
-        )
+    check_known(targets)
     if not targets:
         raise ConfigError(f"backend.targets: backend {BACKEND} needs at least one target")
     gpu = local_gpu()
@@ -109,15 +104,10 @@ def check_targets(targets: list[str], hardware_compatibility: str = "none") -> N
         return
     other = [t for t in targets if profiles[t]["compute_capability"] != here]
     if other:
-        what = ", ".join(
-            f"{t} ({profiles[t]['example']}, compute capability "
-            f"{profiles[t]['compute_capability']})"
-            for t in other
-        )
         raise ConfigError(
             f"backend.targets: full TensorRT builds for the GPU it runs on, and this one "
-            f"is {name} (compute capability {here}); build {what} on such a GPU, or ask "
-            f"for hardware_compatibility ampere_plus"
+            f"is {name} (compute capability {here}); build {describe_targets(other)} on such "
+            f"a GPU, or ask for hardware_compatibility ampere_plus"
         )
 
 
@@ -265,15 +255,12 @@ def build_tensorrt_engines(
                 )
 
                 def configure(config, cache_path=cache_path):
-                    config.set_preview_feature(
-                        trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True
-                    )  # KV cache in place
-                    if (
-                        shared
-                    ):  # otherwise NONE, TensorRT's default: the fastest engine, for this GPU's cc
-                        config.hardware_compatibility_level = (
-                            trt.HardwareCompatibilityLevel.AMPERE_PLUS
-                        )
+                    # The KV cache is updated in place (an aliased plugin output).
+                    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+                    # Otherwise NONE, TensorRT's default: the fastest engine, for this GPU's cc.
+                    if shared:
+                        level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+                        config.hardware_compatibility_level = level
                     _load_timing_cache(config, cache_path, log)
 
                 log(f"tensorrt {trt.__version__}: building {rel} on {gpu_name} ...")
@@ -284,9 +271,8 @@ def build_tensorrt_engines(
                 plan_file = Path(out_dir) / rel
                 plan_file.write_bytes(plan)
                 del plan
-                log(
-                    f"tensorrt: built {rel} in {seconds:.1f}s ({plan_file.stat().st_size / 1e6:.1f} MB)"
-                )
+                size_mb = plan_file.stat().st_size / 1e6
+                log(f"tensorrt: built {rel} in {seconds:.1f}s ({size_mb:.1f} MB)")
             else:
                 seconds = 0.0  # the shared engine was built for the first target
             records.append(

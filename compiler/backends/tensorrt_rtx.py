@@ -17,7 +17,7 @@ import onnx
 
 from trtc import slot_contract as slot
 from trtc.artifact import Limits, sha256_file
-from trtc.compiler.targets import architecture_profiles
+from trtc.compiler.targets import architecture_profiles, check_known, describe_targets
 from trtc.errors import BuildError, ConfigError
 from trtc.plugins.tensorrt.logger import make_logger
 
@@ -53,24 +53,14 @@ def supported_targets(trt=None) -> list[str]:
 def check_targets(targets: list[str], trt=None) -> None:
     """Refuse, before any work, targets this TensorRT-RTX cannot build for."""
     trt = trt or import_trt()
-    profiles = architecture_profiles()
-    unknown = [t for t in targets if t not in profiles]
-    if unknown:
-        raise ConfigError(
-            f"backend.targets: {', '.join(unknown)} not a known architecture "
-            f"(allowed: {', '.join(profiles)})"
-        )
+    check_known(targets)
     supported = supported_targets(trt)
     refused = [t for t in targets if t not in supported]
     if refused:
-        what = ", ".join(
-            f"{t} ({profiles[t]['example']}, compute capability "
-            f"{profiles[t]['compute_capability']})"
-            for t in refused
-        )
         raise ConfigError(
-            f"backend.targets: TensorRT-RTX {trt.__version__} cannot build for {what}; "
-            f"it supports {', '.join(supported)} (use backend tensorrt for the others)"
+            f"backend.targets: TensorRT-RTX {trt.__version__} cannot build for "
+            f"{describe_targets(refused)}; it supports {', '.join(supported)} (use backend "
+            f"tensorrt for the others)"
         )
     if not targets:
         raise ConfigError(

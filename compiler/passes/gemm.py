@@ -17,6 +17,11 @@ GROUPS = {  # group name -> projection names, in output order
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "gate_up": ("gate_proj", "up_proj"),
 }
+# Per-output-channel inputs of the quantized GEMMs, (position, name): concatenated along N.
+CHANNEL_INPUTS = {
+    "Int4Gemm": ((1, "qweight"), (2, "scales"), (3, "zeros")),
+    "Fp8Gemm": ((1, "weight"), (2, "weight_scale")),
+}
 
 
 def _kind(node: gs.Node) -> str | None:
@@ -61,8 +66,8 @@ def _merged_inputs(
         if len({w.dtype for w in tensors}) != 1 or len({w.shape[1] for w in tensors}) != 1:
             return None
         merged = [gs.Constant(f"{name}.weight", np.concatenate(tensors, 0))]
-    elif kind == "Int4Gemm":
-        if (
+    else:
+        if kind == "Int4Gemm" and (
             len({n.attrs["group_size"] for n in nodes}) != 1
             or len({n.attrs["in_features"] for n in nodes}) != 1
         ):
@@ -70,14 +75,9 @@ def _merged_inputs(
         bias_at = 4
         merged = [
             gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
-            for i, part in ((1, "qweight"), (2, "scales"), (3, "zeros"))
+            for i, part in CHANNEL_INPUTS[kind]
         ]
-    else:  # Fp8Gemm: one static input scale per node; siblings read the same input, so equal
-        bias_at = 4
-        merged = [
-            gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
-            for i, part in ((1, "weight"), (2, "weight_scale"))
-        ]
+    if kind == "Fp8Gemm":  # one static input scale per node; siblings read one input, so equal
         merged.append(
             gs.Constant(
                 f"{name}.input_scale",

@@ -57,9 +57,8 @@ class ActivationSample:
 
     Not an even stride: calibration windows all have one length, and a stride that divides it
     takes the same positions of every window, position 0 among them, the attention sink, whose
-    activations are up to a hundred times the rest and then dominate the searches' squared
-    errors. At 128 windows of 512 tokens the stride of 16 made 1 sampled row in 32 a sink (1 in
-    8 after the clip search's further stride), against 1 in 512 in the data."""
+    activations are far larger than the rest and would then dominate the searches' squared
+    errors well beyond their share of the data (docs/quantization.md, "AWQ's search sample")."""
 
     def __init__(self, total_tokens: int, max_tokens: int, seed: int = SAMPLE_SEED):
         order = torch.randperm(total_tokens, generator=torch.Generator().manual_seed(seed))

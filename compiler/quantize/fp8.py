@@ -6,8 +6,9 @@
   By default (`apply.quantize_model`, ``fp8_error_feedback=True``) the weights are rounded to
   that same grid with GPTQ's error feedback (`gptq.gptq_fp8`) instead of independently: the
   scales and the format are unchanged, each weight's choice between its two neighbouring E4M3
-  values accounts for the rounding of the columns before it. E4M3 keeps only 3 mantissa bits
-  (about 2.5% RMS relative error per value), which a 135M-parameter model notices.
+  values accounts for the rounding of the columns before it. E4M3 keeps only 3 mantissa bits,
+  coarse enough that compensating each rounding pays on a small model (docs/quantization.md,
+  "FP8 weights: error-feedback damping").
 * Activations: one static scale per Linear input, ``input_scale = amax / 448`` with ``amax`` the
   largest |x| that Linear saw over the calibration set (fp model). Larger values at serving
   time saturate (the Fp8Gemm contract).

@@ -24,18 +24,17 @@ them). To keep the plain group layout of `trtc::Int4Gemm` (column k uses group k
 g_idx permutation table, no runtime cost), groups are *static*: every group's scale/zero is
 computed up front from the unmodified weights, and each column is rounded with its own
 group's parameters whatever order it is reached in. The packed result is in the original
-column order. On SmolLM2-135M, act-order is what makes GPTQ clearly better than RTN.
+column order.
 
 Range search (``shrink_steps=SHRINK_STEPS``, 79: the reference implementation's range, shrunk
 by up to 79% on a 1% grid): each group's range ``[min, max]`` is also tried shrunk by 1%..79%;
 trading a few clipped outliers for a finer grid is worth it at 4 bits. A candidate is judged
 by the squared error weighted by the Hessian's diagonal, ``sum_j H_jj (w_j - w'_j)^2``: the
 diagonal of GPTQ's own objective ``tr(E H E^T)`` (``E = W - Q``), so a group's range is not
-spent on a weight whose input is small. (The reference implementation judges candidates by the
-unweighted ``sum |w - w'|^2.4``. With static groups the ranges are fixed before any
-compensation, from these errors alone; on SmolLM2 at INT4 g128 the weighted error, with the
-reference's range, took perplexity from +13.1% / +21.0% over fp16 to +10.1% / +12.6% on the
-two held-out texts of docs/quantization.md.)
+spent on a weight whose input is small. With static groups the ranges are fixed before any
+compensation, from these errors alone, so how candidates are judged matters; the reference
+implementation's unweighted ``sum |w - w'|^2.4`` is compared in docs/quantization.md ("GPTQ's
+range search").
 
 The same error feedback also serves FP8 weights (`gptq_fp8`): the grid is E4M3 with the
 per-channel scale, the loop is unchanged (damping 0.1 there, see its docstring).
@@ -87,9 +86,9 @@ def _upper_cholesky_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of ``(H + damp I)^-1``; more damping if H is not positive definite."""
     eye = torch.eye(h.shape[0], dtype=h.dtype)
     for attempt in range(6):
-        l, info = torch.linalg.cholesky_ex(h + damp * (10**attempt) * eye)
+        lower, info = torch.linalg.cholesky_ex(h + damp * (10**attempt) * eye)
         if info == 0:
-            hinv = torch.cholesky_inverse(l)
+            hinv = torch.cholesky_inverse(lower)
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if info == 0:
                 return u
@@ -209,9 +208,9 @@ def gptq_fp8(
     to E4M3 in turn with the error spread over the columns not yet rounded.
     Returns ``(float8_e4m3fn [N, K], weight_scale fp32 [N])``.
 
-    Damping is 10x INT4's (0.1): on SmolLM2 the E4M3 grid is fine enough that, at 0.01, the
-    compensation fits the calibration text's correlations and carries less over to other
-    text (held-out perplexity +5% vs +2.4% at 0.1)."""
+    Damping is 10x INT4's (0.1): the E4M3 grid is fine enough that, with INT4's damping, the
+    compensation fits the calibration text's correlations and carries less over to other text
+    (docs/quantization.md, "FP8 weights: error-feedback damping")."""
     from trtc.compiler.quantize.fp8 import quantize_weight_fp8
     from trtc.plugins.fp8_gemm.reference import to_fp8
 
@@ -242,7 +241,7 @@ def gptq_layer(
     try:
         for paths in INPUT_GROUPS:
             hessian = Hessian(linear(layer, paths[0]).in_features)
-            capture_inputs(layer, inputs, paths[:1], lambda _, x: hessian.add(x))
+            capture_inputs(layer, inputs, paths[:1], lambda _, x, acc=hessian: acc.add(x))
             h = hessian.value
             for path in paths:
                 lin = linear(layer, path)

@@ -8,14 +8,12 @@ from torch import nn
 
 from trtc.plugins.fp8_gemm.reference import E4M3_MAX, to_fp8
 from trtc.plugins.fp8_gemm.reference import fp8_gemm as reference
-from trtc.plugins.spec import PluginSpec
+from trtc.plugins.spec import gemm_spec
 
-SPEC = PluginSpec(
-    op_type="Fp8Gemm",
-    version=1,
-    inputs=("x", "weight", "weight_scale", "input_scale", "bias"),
-    outputs=("y",),
-    attributes={"in_features": int, "out_features": int},
+SPEC = gemm_spec(
+    "Fp8Gemm",
+    weights=("weight", "weight_scale", "input_scale"),
+    attributes={},
     doc="FP8 E4M3 GEMM: y = (fp8(x / input_scale) * input_scale) @ (weight * "
     "weight_scale[:, None]).T + bias in fp32, returned in x's dtype; fp8() saturates to "
     "+-448; weight float8_e4m3fn [N, K]; weight_scale fp32 [N] (per output channel); "
@@ -24,33 +22,19 @@ SPEC = PluginSpec(
 
 
 def fp8_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    input_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    in_features: int,
-    out_features: int,
+    x, weight, weight_scale, input_scale, bias=None, *, in_features: int, out_features: int
 ) -> torch.Tensor:
     """Under ONNX export: one plugin node (without ``bias`` if None). Eager: `cuda.fp8_gemm`
     on CUDA tensors (``torch._scaled_mm`` where the GPU has FP8), the reference otherwise."""
     attrs = dict(in_features=in_features, out_features=out_features)
+    inputs = (x, weight, weight_scale, input_scale, bias)
     if torch.onnx.is_in_onnx_export():
-        inputs = [x, weight, weight_scale, input_scale] + ([bias] if bias is not None else [])
-        return torch.onnx.ops.symbolic(
-            SPEC.qualified_name,
-            inputs,
-            attrs,
-            dtype=x.dtype,
-            shape=(*x.shape[:-1], out_features),
-            version=SPEC.version,
-        )
+        return SPEC.export(inputs, attrs, (x.dtype, (*x.shape[:-1], out_features)))
     if x.is_cuda:
         from trtc.plugins.fp8_gemm.cuda import fp8_gemm as on_gpu
 
-        return on_gpu(x, weight, weight_scale, input_scale, bias, **attrs)
-    return reference(x, weight, weight_scale, input_scale, bias, **attrs)
+        return on_gpu(*inputs, **attrs)
+    return reference(*inputs, **attrs)
 
 
 class Fp8Linear(nn.Module):
@@ -82,14 +66,10 @@ class Fp8Linear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.weight, self.weight_scale, self.input_scale
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         return fp8_gemm(
-            x,
-            self.weight,
-            self.weight_scale,
-            self.input_scale,
-            None if self.bias is None else self.bias.to(x.dtype),
-            in_features=self.in_features,
-            out_features=self.out_features,
+            x, *weights, bias, in_features=self.in_features, out_features=self.out_features
         )
 
     def extra_repr(self) -> str:

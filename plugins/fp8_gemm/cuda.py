@@ -107,41 +107,19 @@ def _scaled_mm(recipe: str, x_q, weight, weight_scale, input_scale, bias, out_dt
 
 
 def fp8_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    input_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    in_features: int,
-    out_features: int,
+    x, weight, weight_scale, input_scale, bias=None, *, in_features: int, out_features: int
 ) -> torch.Tensor:
     """``y [..., N]`` per the module docstring, for CUDA tensors."""
     check_shapes(x, weight, weight_scale, input_scale, bias, in_features, out_features)
-    if not uses_scaled_mm(x, weight):
-        return reference(
-            x,
-            weight,
-            weight_scale,
-            input_scale,
-            bias,
-            in_features=in_features,
-            out_features=out_features,
+    if uses_scaled_mm(x, weight):
+        x2 = x.reshape(-1, in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], out_features)
+        y = _first_recipe(
+            x, quantize_input(x2, input_scale), weight, weight_scale, input_scale, bias
         )
-    x2 = x.reshape(-1, in_features)
-    if x2.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], out_features)
-    x_q = quantize_input(x2, input_scale)
-    weight = weight.contiguous()
-    key = (x.device.index, x.dtype, bias is not None)
-    known = _recipe.get(key)
-    for recipe in ((known,) if known else ()) + tuple(r for r in RECIPES if r != known):
-        try:
-            y = _scaled_mm(recipe, x_q, weight, weight_scale, input_scale, bias, x.dtype)
-        except (RuntimeError, ValueError, NotImplementedError, TypeError):
-            continue  # this torch build refuses the recipe: try the next one
-        _recipe.setdefault(key, recipe)
-        return y.view(*x.shape[:-1], out_features)
+        if y is not None:
+            return y.view(*x.shape[:-1], out_features)
     return reference(
         x,
         weight,
@@ -151,6 +129,22 @@ def fp8_gemm(
         in_features=in_features,
         out_features=out_features,
     )
+
+
+def _first_recipe(x, x_q, weight, weight_scale, input_scale, bias) -> torch.Tensor | None:
+    """``y [T, N]`` by the recipe found for x's device and dtype (and a bias or not), else by
+    the first one this torch build accepts (kept for later calls); None if none is accepted."""
+    weight = weight.contiguous()
+    key = (x.device.index, x.dtype, bias is not None)
+    known = _recipe.get(key)
+    for recipe in ((known,) if known else ()) + tuple(r for r in RECIPES if r != known):
+        try:
+            y = _scaled_mm(recipe, x_q, weight, weight_scale, input_scale, bias, x.dtype)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError):
+            continue  # this torch build refuses the recipe: try the next one
+        _recipe.setdefault(key, recipe)
+        return y
+    return None
 
 
 def recipe_for(x: torch.Tensor, bias: torch.Tensor | None) -> str | None:

@@ -58,14 +58,7 @@ def check_shapes(
 
 
 def fp8_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    input_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    in_features: int,
-    out_features: int,
+    x, weight, weight_scale, input_scale, bias=None, *, in_features: int, out_features: int
 ) -> torch.Tensor:
     """``y [T, N]`` per the module docstring, in fp32, returned in x's dtype."""
     check_shapes(x, weight, weight_scale, input_scale, bias, in_features, out_features)

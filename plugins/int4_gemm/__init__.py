@@ -6,23 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trtc.plugins.int4_gemm.reference import (
-    check_shapes,
-    dequantize,
-    pack_int4,
-    unpack_int4,
-)
-from trtc.plugins.int4_gemm.reference import (
-    int4_gemm as reference,
-)
-from trtc.plugins.spec import PluginSpec
+from trtc.plugins.int4_gemm.reference import check_shapes, dequantize, pack_int4, unpack_int4
+from trtc.plugins.int4_gemm.reference import int4_gemm as reference
+from trtc.plugins.spec import gemm_spec
 
-SPEC = PluginSpec(
-    op_type="Int4Gemm",
-    version=1,
-    inputs=("x", "qweight", "scales", "zeros", "bias"),
-    outputs=("y",),
-    attributes={"group_size": int, "in_features": int, "out_features": int},
+SPEC = gemm_spec(
+    "Int4Gemm",
+    weights=("qweight", "scales", "zeros"),
+    attributes={"group_size": int},
     doc="W4A16 group-wise asymmetric GEMM: y = x @ ((q - zeros) * scales).T + bias in fp32, "
     "returned in x's dtype; qweight uint8 [N, K/2] holds two 4-bit values per byte along K, "
     "low nibble = even k (the ONNX UINT4 [N, K] layout); scales [N, ceil(K/group)] in x's "
@@ -32,36 +23,21 @@ SPEC = PluginSpec(
 
 
 def int4_gemm(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group_size: int,
-    in_features: int,
-    out_features: int,
+    x, qweight, scales, zeros, bias=None, *, group_size: int, in_features: int, out_features: int
 ) -> torch.Tensor:
     """Under ONNX export: one plugin node (without ``bias`` if None). Eager: the Triton kernels
     on CUDA tensors (group sizes they take), the torch reference otherwise."""
     attrs = dict(group_size=group_size, in_features=in_features, out_features=out_features)
+    inputs = (x, qweight, scales, zeros, bias)
     if torch.onnx.is_in_onnx_export():
-        inputs = [x, qweight, scales, zeros] + ([bias] if bias is not None else [])
-        return torch.onnx.ops.symbolic(
-            SPEC.qualified_name,
-            inputs,
-            attrs,
-            dtype=x.dtype,
-            shape=(*x.shape[:-1], out_features),
-            version=SPEC.version,
-        )
+        return SPEC.export(inputs, attrs, (x.dtype, (*x.shape[:-1], out_features)))
     if x.is_cuda:
         from trtc.plugins.int4_gemm import triton_kernels
 
         if triton_kernels.supports(group_size):
-            check_shapes(x, qweight, scales, zeros, bias, **attrs)
-            return triton_kernels.int4_gemm(x, qweight, scales, zeros, bias, **attrs)
-    return reference(x, qweight, scales, zeros, bias, **attrs)
+            check_shapes(*inputs, **attrs)
+            return triton_kernels.int4_gemm(*inputs, **attrs)
+    return reference(*inputs, **attrs)
 
 
 class Int4Linear(nn.Module):
@@ -85,12 +61,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.qweight, self.scales.to(x.dtype), self.zeros
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         return int4_gemm(
             x,
-            self.qweight,
-            self.scales.to(x.dtype),
-            self.zeros,
-            None if self.bias is None else self.bias.to(x.dtype),
+            *weights,
+            bias,
             group_size=self.group_size,
             in_features=self.in_features,
             out_features=self.out_features,

@@ -1,9 +1,9 @@
 """`trtc::Int4Gemm` for decode steps of 1..16 tokens on the matrix units, from registers: the
 "fragment" kernel. Semantics are the reference's (`reference.py`); the weight is read in a
 layout made for it at load time (`fragment_pack`), not the plugin's ``[N, K/2]`` bytes. The
-CUDA executor holds that layout instead of the plugin's (runtime/executors/fusion.py), so calls of more
-than 16 tokens read it too: `fragment_matmul` dequantizes the layer (`fragment_dequantize`)
-and multiplies with cuBLAS.
+CUDA executor holds that layout instead of the plugin's
+(runtime/executors/fusions/int4_fragment.py), so calls of more than 16 tokens read it too:
+`fragment_matmul` dequantizes the layer (`fragment_dequantize`) and multiplies with cuBLAS.
 
 Why another kernel: the weights-first rows kernel (`triton_kernels._int4_rows`) multiplies in
 CUDA cores, about one instruction per weight and token, so it only wins at one or two tokens; the
@@ -11,8 +11,7 @@ split kernel uses the matrix units but Triton stages its weights through shared 
 issues their loads after the wait for the previous kernel. Here each warp multiplies a 16-row
 tile with ``mma.sync.m16n8k16`` straight from registers, which costs nearly the same at 1 and
 at 8 tokens (16 with a second mma a step), and all of a program's weights are requested before
-the wait (as the rows kernel does). Measured (docs/gpu-kernels.md): 1.3-1.85x the plugin-layout
-kernels at 2..8 tokens, 3-5% faster at one.
+the wait (as the rows kernel does). Measurements: docs/gpu-kernels.md, "The fragment kernel".
 
 The fragment layout. ``mma.sync.m16n8k16`` (fp16 or bf16 inputs, fp32 accumulators) wants
 lane ``l = 4 g + c`` of a warp to hold, of a 16 x 16 weight tile, rows ``g`` and ``g + 8`` at
@@ -47,9 +46,9 @@ nothing to do: their groups past K are predicated off).
 Only the elementwise inline asm puts tensors in registers here, so the kernel depends on each
 ``[32 * num_warps]`` tensor having element ``i`` in lane ``i % 32`` of warp ``i // 32`` (Triton's
 default layout for such a tensor; a test compiles the kernel for sm_90 and checks it) and on
-the asm being executed by the whole warp at once (mma.sync is warp-wide). Triton's CPU interpreter runs
-a portable version of the same loads and arithmetic (``ASM=False``); the tests also run the PTX
-itself in a numpy emulator of one warp (tests/ptx_emulator.py).
+the asm being executed by the whole warp at once (mma.sync is warp-wide). Triton's CPU
+interpreter runs a portable version of the same loads and arithmetic (``ASM=False``); the tests
+also run the PTX itself in a numpy emulator of one warp (tests/harness/ptx_emulator.py).
 """
 
 from __future__ import annotations
@@ -123,10 +122,10 @@ def fragment_supports(out_features: int, in_features: int, group_size: int) -> s
 
 
 # A lane holds its whole share of a tile's weight in registers, one 32-bit word a 16-column
-# step: at most 96 steps, and at most 8 warps share a tile. ptxas for sm_90 (a test checks
-# it): 96 steps at 8 warps take 174-186 registers with one or two mma's and spill nothing; at
-# 16 warps (512 threads a program) a lane gets 128 registers and spills 24-112 bytes at 64-96
-# steps. Longer rows (K > 12288 at group 128) stay on the plugin's layout and kernels.
+# step: at most 96 steps, and at most 8 warps share a tile. ptxas for sm_90 fits 96 steps at 8
+# warps, one or two mma's, without spilling (a test checks it); 16 warps (512 threads a program)
+# leave a lane 128 registers, too few (docs/gpu-kernels.md, "One layout"). Longer rows (K >
+# 12288 at group 128) stay on the plugin's layout and kernels.
 LANE_STEPS = 96
 MAX_WARPS_K = 8
 
@@ -195,8 +194,8 @@ def _warp_asm(
     scaled into the accumulators at the group's end. Operands: outputs ``$0..$3`` (``$0..$7``
     with ``two_mma``) the accumulators; then the words' address, the records' address, x's
     address (and the second 8 tokens'), nvalid. ``evict_first``: the words' loads carry L2's
-    evict-first policy (measured: no difference, so plans leave it off). ``bf16``: x, the
-    records and the mma in bf16 (module docstring)."""
+    evict-first policy (plans leave it off: it made no difference, docs/gpu-kernels.md, "The
+    fragment kernel"). ``bf16``: x, the records and the mma in bf16 (module docstring)."""
     outs = 8 if two_mma else 4
     a_w, a_r, a_x = outs, outs + 1, outs + 2
     a_x2 = outs + 3
@@ -322,7 +321,6 @@ def _portable_sums(
     records_ptr,
     x_ptr,
     tile_c,
-    step0,
     kc,
     g,
     c,
@@ -330,30 +328,36 @@ def _portable_sums(
     T,
     K,
     G,
-    HB: tl.constexpr,
-    TOK_OFF: tl.constexpr,
     CHUNK: tl.constexpr,
     SPG: tl.constexpr,
     BF16: tl.constexpr,
+    TWO: tl.constexpr,
 ):
-    """What the asm leaves in a lane's accumulators for row ``g + 8 HB`` and the tokens ``2c +
-    TOK_OFF`` and ``+ 1``, in portable Triton (Triton's CPU interpreter): the mma's sum over a
-    step's 16 columns written out from the four lanes (g, 0..3) that hold them."""
+    """What the asm leaves in a lane's accumulators, in portable Triton (Triton's CPU
+    interpreter): accumulator ``m`` holds row ``g + 8 ((m % 4) // 2)`` and token ``2c + m % 2 +
+    8 (m // 4)``, the mma's sum over a step's 16 columns written out from the four lanes (g,
+    0..3) that hold them. Both rows (``hb``) and the lane's tokens (``tk``) are axes here."""
+    R: tl.constexpr = g.shape[0]
+    step0 = kc * (CHUNK * SPG)  # the warp's first 16-column step
+    NT: tl.constexpr = 4 if TWO else 2  # tokens 2c + tk % 2 + 8 (tk // 2)
     cq = tl.arange(0, 4)  # the lanes c' of row g's columns
-    khl = tl.arange(0, 4)  # (kh, kl) = (j // 2, j % 2)
-    shift = 4 * (HB + 2 * (khl // 2) + 4 * (khl % 2))
-    tok_a = tl.minimum(2 * c + TOK_OFF, T - 1)
-    tok_b = tl.minimum(2 * c + TOK_OFF + 1, T - 1)
-    sum_a = tl.zeros(g.shape, dtype=tl.float32)
-    sum_b = tl.zeros(g.shape, dtype=tl.float32)
+    khl = tl.arange(0, 4)  # (kh, kl) = (khl // 2, khl % 2)
+    hb = tl.arange(0, 2)  # rows g + 8 hb
+    tk = tl.arange(0, NT)
+    shift = 4 * (hb[:, None] + 2 * (khl // 2)[None, :] + 4 * (khl % 2)[None, :])  # [hb, khl]
+    tok = tl.minimum(2 * c[:, None] + (tk % 2 + 8 * (tk // 2))[None, :], T - 1)  # [R, tk]
+    if BF16:
+        magic = tl.full([2], 128.0, tl.float32)
+    else:
+        magic = tl.where(hb == 1, 64.0, 1024.0)
+    sums = tl.zeros((R, NT, 2), dtype=tl.float32)  # [R, tk, hb]
     for gi in range(CHUNK):
         ok = gi < nvalid
         rec = records_ptr + ((tile_c.to(tl.int64) * G + kc * CHUNK + gi) * 8 + g) * 4
-        magic: tl.constexpr = 128.0 if BF16 else (64.0 if HB else 1024.0)
-        offset = tl.load(rec + HB, mask=ok, other=0.0).to(tl.float32) + magic
-        scale = tl.load(rec + 2 + HB, mask=ok, other=0.0).to(tl.float32)
-        dot_a = tl.zeros(g.shape, dtype=tl.float32)
-        dot_b = tl.zeros(g.shape, dtype=tl.float32)
+        rec_hb = rec[:, None] + hb[None, :]
+        offset = tl.load(rec_hb, mask=ok[:, None], other=0.0).to(tl.float32) + magic[None, :]
+        scale = tl.load(rec_hb + 2, mask=ok[:, None], other=0.0).to(tl.float32)  # [R, hb]
+        dot = tl.zeros((R, NT, 2), dtype=tl.float32)
         for u in range(SPG):
             s = step0 + gi * SPG + u  # the 16-column step
             blk = s // 4
@@ -363,30 +367,36 @@ def _portable_sums(
                 + (cq * 4)[None, :],
                 mask=ok[:, None],
                 other=0,
-            )  # [THREADS, c']
-            q = (word[:, :, None] >> shift[None, None, :]) & 0xF
-            w = q.to(tl.float32) + offset[:, None, None]  # q - z
+            )  # [R, c']
+            q = (word[:, :, None, None] >> shift[None, None, :, :]) & 0xF
+            w = q.to(tl.float32) + offset[:, None, :, None]  # q - z: [R, c', hb, khl]
             col = (
                 (blk * 64 + 4 * (s % 4))[:, None, None]
                 + 16 * cq[None, :, None]
                 + 2 * (khl // 2)[None, None, :]
                 + (khl % 2)[None, None, :]
-            )
-            xa = tl.load(
-                x_ptr + tok_a[:, None, None].to(tl.int64) * K + col,
-                mask=ok[:, None, None],
+            )  # [R, c', khl]
+            xv = tl.load(
+                x_ptr + tok[:, :, None, None].to(tl.int64) * K + col[:, None, :, :],
+                mask=ok[:, None, None, None],
                 other=0.0,
-            ).to(tl.float32)
-            xb = tl.load(
-                x_ptr + tok_b[:, None, None].to(tl.int64) * K + col,
-                mask=ok[:, None, None],
-                other=0.0,
-            ).to(tl.float32)
-            dot_a += tl.sum(tl.sum(w * xa, axis=2), axis=1)
-            dot_b += tl.sum(tl.sum(w * xb, axis=2), axis=1)
-        sum_a += dot_a * scale
-        sum_b += dot_b * scale
-    return sum_a, sum_b
+            ).to(tl.float32)  # [R, tk, c', khl]
+            prod = w[:, None, :, :, :] * xv[:, :, :, None, :]  # [R, tk, c', hb, khl]
+            dot += tl.sum(tl.sum(prod, axis=4), axis=2)
+        sums += dot * scale[:, None, :]
+    row_g, row_g8 = tl.split(sums)  # [R, tk] each
+    if TWO:
+        g_even, g_odd = tl.split(tl.reshape(row_g, (R, 2, 2)))  # [R, mma] each
+        g8_even, g8_odd = tl.split(tl.reshape(row_g8, (R, 2, 2)))
+        a0, a4 = tl.split(g_even)
+        a1, a5 = tl.split(g_odd)
+        a2, a6 = tl.split(g8_even)
+        a3, a7 = tl.split(g8_odd)
+        return a0, a1, a2, a3, a4, a5, a6, a7
+    else:
+        a0, a1 = tl.split(row_g)
+        a2, a3 = tl.split(row_g8)
+        return a0, a1, a2, a3
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -463,86 +473,9 @@ def _int4_fragment(
             )
     else:
         pdl.begin(PDL)
-        a0, a1 = _portable_sums(
-            words_ptr,
-            records_ptr,
-            x_ptr,
-            tile_c,
-            step0,
-            kc,
-            g,
-            c,
-            nvalid,
-            T,
-            K,
-            G,
-            0,
-            0,
-            CHUNK,
-            SPG,
-            BF16,
+        acc = _portable_sums(
+            words_ptr, records_ptr, x_ptr, tile_c, kc, g, c, nvalid, T, K, G, CHUNK, SPG, BF16, TWO
         )
-        a2, a3 = _portable_sums(
-            words_ptr,
-            records_ptr,
-            x_ptr,
-            tile_c,
-            step0,
-            kc,
-            g,
-            c,
-            nvalid,
-            T,
-            K,
-            G,
-            1,
-            0,
-            CHUNK,
-            SPG,
-            BF16,
-        )
-        if TWO:
-            a4, a5 = _portable_sums(
-                words_ptr,
-                records_ptr,
-                x_ptr,
-                tile_c,
-                step0,
-                kc,
-                g,
-                c,
-                nvalid,
-                T,
-                K,
-                G,
-                0,
-                8,
-                CHUNK,
-                SPG,
-                BF16,
-            )
-            a6, a7 = _portable_sums(
-                words_ptr,
-                records_ptr,
-                x_ptr,
-                tile_c,
-                step0,
-                kc,
-                g,
-                c,
-                nvalid,
-                T,
-                K,
-                G,
-                1,
-                8,
-                CHUNK,
-                SPG,
-                BF16,
-            )
-            acc = (a0, a1, a2, a3, a4, a5, a6, a7)
-        else:
-            acc = (a0, a1, a2, a3)
     # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator m holds row
     # g + 8 (m % 4 >= 2) and token 2c + (m & 1) (+ 8 for the second mma's, m >= 4).
     lane_t = tl.arange(0, 32)
@@ -594,17 +527,15 @@ class FragmentPlan:
     evict_first: bool = False
 
 
-# The fragment kernel serves decode calls (docs/gpu-kernels.md): up to 8 tokens one mma a step,
-# 1.3-1.85x the plugin-layout kernels at 2..8 tokens and 3-5% faster at one on the Llama-7B
-# shapes; 9..16 two mma's a step, 1.24x on [4096, 4096] and 0.99x / 0.85x the split kernel on
-# [11008, 4096] / [4096, 11008]; 17..32 in launches of at most 16 (1.0-2.3x dequantize + cuBLAS
-# there on the 7B and 1.1B shapes, except [2048, 2048] at 32: 0.84x). Longer calls dequantize
-# the layer and multiply with cuBLAS (`fragment_matmul`).
+# The fragment kernel serves decode calls: up to 8 tokens one mma a step, 9..16 two mma's a
+# step, 17..32 in launches of at most 16 (on most shapes faster there than dequantizing the
+# layer for cuBLAS). Longer calls dequantize the layer and multiply with cuBLAS
+# (`fragment_matmul`). Measurements: docs/gpu-kernels.md, "One layout".
 ONE_MMA_TOKENS = 8
 LAUNCHES_MAX_TOKENS = 32
 # Two mma's a step: a lane's share at most 48 steps unless the layer has many tiles (more than
-# 512: the programs fill the SMs anyway). Measured best of 4 / 8 / 16 warps at 12 and 16 tokens
-# on 7 shapes (docs/gpu-kernels.md).
+# 512: the programs fill the SMs anyway); the fastest of 4 / 8 / 16 warps a tile
+# (docs/gpu-kernels.md, "One layout").
 TWO_MMA_MANY_TILES = 512
 
 
@@ -612,7 +543,8 @@ def fragment_plan(tokens: int, n: int, k: int, group_size: int) -> FragmentPlan 
     """The plan for one launch of ``tokens`` on ``[n, k]``, or None where the fragment kernel
     does not apply (`fragment_supports`, more than 16 tokens). ``warps_k``: the fewest warps a
     tile (4 or 8) that keep a lane's share of the weight at most 96 steps (384 bytes), with two
-    mma's see above; measured best at K = 4096 (4 warps) and K = 11008 (8) at one mma."""
+    mma's see above; at one mma that gives the fastest choice at K = 4096 (4 warps) and K =
+    11008 (8)."""
     if fragment_supports(n, k, group_size) or not 1 <= tokens <= MAX_TOKENS:
         return None
     two = tokens > ONE_MMA_TOKENS
@@ -766,10 +698,8 @@ def _dequantize_fragments(
     word (``BLOCKS * 128`` contiguous words): word ``16 g + cu`` of block ``b`` (``cu = 4 c +
     u``: lane ``4 g + c``'s step ``u``) holds rows ``g`` (nibbles ``m`` even) and ``g + 8`` (odd)
     at columns ``64 b + 4 cu + kk``, ``kk = 2 kh + kl`` being nibble ``m = hb + 2 kh + 4 kl``
-    (module docstring); each row half is stored as ``[words, 4]`` (8 contiguous bytes a word).
-    Measured on the H200 (docs/gpu-kernels.md) against a 5-d ``[hb, g, b, cu, kk]`` version
-    and one that gathers a word per weight: 14 / 33 us against 119 / 300 and 21 / 52 on
-    [4096, 4096] / [11008, 4096]."""
+    (module docstring); each row half is stored as ``[words, 4]`` (8 contiguous bytes a word),
+    the fastest of the layouts tried (docs/gpu-kernels.md, "One layout")."""
     r = tl.program_id(0).to(tl.int64)
     blocks = K // 64
     word_i = tl.arange(0, BLOCKS * 128)
@@ -840,10 +770,10 @@ def fragment_matmul(
 ) -> torch.Tensor:
     """``y = x @ dequantize(W).T + bias`` for any number of tokens, in x's dtype: the layer
     dequantized into a transient ``[N, K]`` (the largest projection's fp16 bytes at most,
-    reserved by the executor, `runtime.fusion.int4_fragment_bytes`) and multiplied by cuBLAS
-    in the weight's dtype, or in fp32 where x has another dtype. What calls of more than 32
-    tokens run (prefill; docs/gpu-kernels.md: 1.3-2.0x the plugin-layout kernel's in-loop
-    dequantization at 256-1024 tokens)."""
+    reserved by the executor, `trtc.runtime.executors.fusions.int4_fragment.int4_fragment_bytes`)
+    and multiplied by cuBLAS in the weight's dtype, or in fp32 where x has another dtype. What
+    calls of more than 32 tokens run (prefill: faster than the plugin-layout kernel's in-loop
+    dequantization; docs/gpu-kernels.md, "One layout")."""
     k = weight.in_features
     x2 = x.reshape(-1, k)
     w = fragment_dequantize(weight, dtype=None if x2.dtype == weight.dtype else torch.float32)

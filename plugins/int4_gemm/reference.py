@@ -66,7 +66,8 @@ def per_column(groups: torch.Tensor, group_size: int, in_features: int) -> torch
 def dequantize_unpacked(
     q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """fp32 ``W [N, K]`` from unpacked values ``q [N, K]`` (0..15) and their groups' scales/zeros."""
+    """fp32 ``W [N, K]`` from unpacked values ``q [N, K]`` (0..15) and their groups' scales and
+    zeros."""
     k = q.shape[-1]
     return (q.float() - per_column(zeros.float(), group_size, k)) * per_column(
         scales.float(), group_size, k
@@ -111,15 +112,7 @@ def check_shapes(
 
 
 def int4_gemm(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    group_size: int,
-    in_features: int,
-    out_features: int,
+    x, qweight, scales, zeros, bias=None, *, group_size: int, in_features: int, out_features: int
 ) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` in fp32, returned in x's dtype."""
     check_shapes(x, qweight, scales, zeros, bias, group_size, in_features, out_features)

@@ -2,8 +2,8 @@
 (`reference.py`: ``y = x @ ((q - zeros) * scales).T + bias`` with fp32 accumulation, returned in
 x's dtype; the last group of a row may be shorter); tests compare the two.
 
-The split-K dot kernel, `_int4_dot`, for prefill and decode steps (1..16 tokens: one 16-wide tile):
-``W_tile @ x_tile.T`` on the matrix units, weight rows on the M side. The packed weight
+The split-K dot kernel, `_int4_dot`, for prefill and decode steps (1..16 tokens: one 16-wide
+tile): ``W_tile @ x_tile.T`` on the matrix units, weight rows on the M side. The packed weight
 (``qweight [N, K/2]``, low nibble = even k) is read as stored, once; a program owns ``BLOCK_N``
 rows and ``BLOCK_T`` tokens and walks K in steps of ``BLOCK_K`` columns, several groups a step,
 so each row is read in ``BLOCK_K / 2`` contiguous bytes (Triton pipelines these loads through
@@ -27,25 +27,26 @@ N]`` and the sums are added in split order (deterministic, no float atomics), ei
 kernel (``reduce="kernel"``) or by the last program of the row block to finish (``reduce="last"``:
 one launch; programs count arrivals on a per-tile int32 counter that the last one resets). The
 launch depends on shapes only (no host syncs): a decode step can be captured in a CUDA graph.
-Decode launches use programmatic dependent launch (`trtc.plugins.kernels.pdl`): a program reads its first
-zeros and scales before waiting for the previous kernel, and (``Plan.prefetch``) may first ask L2
-for its whole slice of the packed weight, one bulk prefetch a row (`_prefetch_rows`).
+Decode launches use programmatic dependent launch (`trtc.plugins.kernels.pdl`): a program reads
+its first zeros and scales before waiting for the previous kernel, and (``Plan.prefetch``) may
+first ask L2 for its whole slice of the packed weight, one bulk prefetch a row
+(`_prefetch_rows`).
 
-A second kernel, `_int4_rows`, serves the decode steps where it measured faster (`default_plan`):
-"weights first", as the dense GEMV of plugins/kernels/gemv.py. A program owns ``ROWS`` whole rows
-(no split over K: no partial sums, no reduction tail) and requests all of their packed bytes,
-zeros and scales *before* waiting for the previous kernel (a row that is no power of two long is
-loaded as up to three power-of-two pieces; or, for a plan's shorter steps, the first step before
-the wait and each next one a step ahead, into registers). After the wait it reads x and reduces
-in CUDA cores: the asm above without the scale gives ``q - z`` exactly in fp16, converted to fp32
-and multiplied by x in fp32 FMAs, one sum per group then times its scale (so the weight is never
-rounded: closer to the reference than the dot kernel). With fp16 activations (``Plan.half2``,
-`_step_half2`) the products are packed f16x2 FMAs instead: the weight read as 32-bit words, x as
-int32 column pairs put in the weight's lane order, four products a lane summed in fp16 and then
-in fp32 (x taken times 1/16 so that those sums cannot overflow), about 1 instruction per weight
-and token instead of 3. Each token is one more pass of FMAs, so it takes few tokens
-(`ROWS_MAX_TOKENS`); a variant on the matrix units (``tl.dot`` on register tiles) took 3.6-5.1x
-the split kernel's time and was removed.
+A second kernel, `_int4_rows`, serves the decode steps of one or two tokens where it is the
+faster one (`default_plan`): "weights first", as the dense GEMV of plugins/kernels/gemv.py. A
+program owns ``ROWS`` whole rows (no split over K: no partial sums, no reduction tail) and
+requests all of their packed bytes, zeros and scales *before* waiting for the previous kernel (a
+row that is no power of two long is loaded as up to three power-of-two pieces; or, for a plan's
+shorter steps, the first step before the wait and each next one a step ahead, into registers).
+After the wait it reads x and reduces in CUDA cores: the asm above without the scale gives ``q -
+z`` exactly in fp16, converted to fp32 and multiplied by x in fp32 FMAs, one sum per group then
+times its scale (so the weight is never rounded: closer to the reference than the dot kernel).
+With fp16 activations (``Plan.half2``, `_step_half2`) the products are packed f16x2 FMAs instead:
+the weight read as 32-bit words, x as int32 column pairs put in the weight's lane order, four
+products a lane summed in fp16 and then in fp32 (x taken times 1/16 so that those sums cannot
+overflow), two products an instruction. Each token is one more pass of FMAs, so it takes few
+tokens (`ROWS_MAX_TOKENS`). The kernels' design choices and their measurements:
+docs/gpu-kernels.md, "Int4Gemm".
 """
 
 from __future__ import annotations
@@ -78,60 +79,22 @@ def _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS: tl.conste
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _finish(
-    acc,
-    toks,
-    rows,
-    tok_ok,
-    row_ok,
-    T,
-    N,
-    tile,
-    split,
-    splits,
-    bias_ptr,
-    y_ptr,
-    partial_ptr,
-    counter_ptr,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """``acc [BLOCK_T, BLOCK_N]`` fp32 -> y (bias added, cast), or this split's partial sums
-    (and, for ``SPLIT_LAST_SUMS``, the final sum if this program is the row block's last)."""
-    mask = tok_ok[:, None] & row_ok[None, :]
-    offs = toks.to(tl.int64)[:, None] * N + rows[None, :]
-    if SPLIT == 0:
-        _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
-    else:
-        plane = T.to(tl.int64) * N
-        tl.store(partial_ptr + split * plane + offs, acc, mask=mask)
-        if SPLIT == 2:
-            # Every thread's stores precede the (one-thread, gpu-scope release) arrival.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:
-                total = tl.zeros_like(acc)
-                for s in range(splits):  # split order, as `_sum_splits`: deterministic
-                    # .cg: read L2, not a stale L1 line of an earlier call.
-                    total += tl.load(
-                        partial_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
-                _write_y(total, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
-                tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
-
-
 # --- the dot kernel (matrix units) ----------------------------------------------------------
 
 # Dequantization of 4 packed bytes (8 weights) in one asm block, two weights per instruction.
-# Operands: $0,$1 the low-nibble weights (4 halves), $2,$3 the high-nibble ones; $4 the 4 bytes;
-# $5,$6 -(1024 + z) (fp16) or -(128 + z) (bf16) per element; $7,$8 -(64 + z) (fp16 only, unused
-# in bf16); $9,$10 the scales. A PRMT spreads two bytes into the two 16-bit lanes; a LOP3 ORs a
-# nibble into the mantissa of 1024 (fp16) or 128 (bf16), where one unit is worth 1; adding the
-# negated zero gives q - z exactly, and one multiply by the scale rounds once (the weight the
-# matrix units see). fp16 keeps the high nibble in place (1024 + 16 q, times 1/16 in the FMA:
-# exact); bf16 has 7 mantissa bits, so the high nibble is shifted down first.
-_F16_NIBBLES = """
+# A PRMT spreads two bytes into the two 16-bit lanes; a LOP3 ORs a nibble into the mantissa of
+# 1024 (fp16) or 128 (bf16), where one unit is worth 1; adding the negated zero gives q - z
+# exactly, and one multiply by the scale rounds once (the weight the matrix units see). fp16 keeps
+# the high nibble in place (1024 + 16 q, times 1/16 in the FMA: exact); bf16 has 7 mantissa
+# bits, so the high nibble is shifted down first.
+
+
+def _f16_nibbles(lo: tuple[str, str], hi: tuple[str, str], out: str) -> str:
+    """The fp16 asm: ``$4`` the 4 bytes; ``lo`` the operands holding -(1024 + z) for the low
+    nibbles of bytes 0, 1 and of bytes 2, 3, ``hi`` -(64 + z) for the high ones; then ``out``,
+    which leaves the results in ``$0, $1`` (low nibbles) and ``$2, $3`` (high) from registers
+    ``l0, l1, h0, h1`` (q - z)."""
+    return f"""{{
 .reg .b32 t0, t1, l0, l1, h0, h1, c;
 mov.b32 c, 0x2C002C00;
 prmt.b32 t0, $4, 0, 0x4140;
@@ -140,34 +103,31 @@ lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
 lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
-add.f16x2 l0, l0, $5;
-add.f16x2 l1, l1, $6;
-fma.rn.f16x2 h0, h0, c, $7;
-fma.rn.f16x2 h1, h1, c, $8;
+add.f16x2 l0, l0, {lo[0]};
+add.f16x2 l1, l1, {lo[1]};
+fma.rn.f16x2 h0, h0, c, {hi[0]};
+fma.rn.f16x2 h1, h1, c, {hi[1]};
+{out}}}
 """
-_DEQUANT_F16 = tl.constexpr(
-    "{"
-    + _F16_NIBBLES
-    + """
-mul.f16x2 $0, l0, $9;
+
+
+# The asm's last lines: the weights times their scales ($9, $10), or q - z as it is.
+_SCALED = """mul.f16x2 $0, l0, $9;
 mul.f16x2 $1, l1, $10;
 mul.f16x2 $2, h0, $9;
 mul.f16x2 $3, h1, $10;
-}
 """
-)
-# The same without the scale: q - z exactly, in fp16 (the CUDA-core kernel scales a group's sum).
-_NIBBLES_F16 = tl.constexpr(
-    "{"
-    + _F16_NIBBLES
-    + """
-mov.b32 $0, l0;
+_UNSCALED = """mov.b32 $0, l0;
 mov.b32 $1, l1;
 mov.b32 $2, h0;
 mov.b32 $3, h1;
-}
 """
-)
+# The dot kernel's operands: $0,$1 the low-nibble weights (4 halves), $2,$3 the high-nibble ones;
+# $4 the 4 bytes; $5,$6 -(1024 + z) (fp16) or -(128 + z) (bf16) per element; $7,$8 -(64 + z)
+# (fp16 only, unused in bf16); $9,$10 the scales.
+_DEQUANT_F16 = tl.constexpr(_f16_nibbles(("$5", "$6"), ("$7", "$8"), _SCALED))
+# The same without the scale: q - z exactly, in fp16 (the CUDA-core kernel scales a group's sum).
+_NIBBLES_F16 = tl.constexpr(_f16_nibbles(("$5", "$6"), ("$7", "$8"), _UNSCALED))
 _DEQUANT_BF16 = tl.constexpr("""
 {
 .reg .b32 t0, t1, u0, u1, l0, l1, h0, h1;
@@ -215,24 +175,14 @@ def _dequantize(packed, zero, scale, MODE: tl.constexpr, ASM: tl.constexpr):
     """Both nibbles of each byte as weights ``(q - z) * s`` in the dot's dtype."""
     off_lo, off_hi, scale = _dequant_terms(zero, scale, MODE, ASM)
     if ASM:
-        if MODE == 0:
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_F16,
-                "=r,=r,=r,=r,r,r,r,r,r,r,r",
-                [packed, off_lo, off_hi, scale],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_BF16,
-                "=r,=r,=r,=r,r,r,r,r,r,r,r",
-                [packed, off_lo, off_hi, scale],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=4,
-            )
+        lo, hi = tl.inline_asm_elementwise(
+            _DEQUANT_F16 if MODE == 0 else _DEQUANT_BF16,
+            "=r,=r,=r,=r,r,r,r,r,r,r,r",
+            [packed, off_lo, off_hi, scale],
+            dtype=(tl.float16, tl.float16) if MODE == 0 else (tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     else:
         # Portable (fp32 activations, Triton's CPU interpreter): the same function in fp32,
         # rounded once to the dot's dtype.
@@ -290,9 +240,9 @@ mov.u32 $0, 0;
 @triton.jit
 def _prefetch_rows(qweight_ptr, rows, row_ok, KB, byte_begin, byte_end):
     """Ask L2 for bytes ``byte_begin .. byte_end`` of each row of ``rows`` (one bulk prefetch a
-    row). The packed weight is constant (trtc.plugins.kernels.pdl), so this goes before the wait: the
-    whole slice streams from HBM while the previous kernel finishes, and the pipelined loop
-    after the wait reads it from L2."""
+    row). The packed weight is constant (trtc.plugins.kernels.pdl), so this goes before the
+    wait: the whole slice streams from HBM while the previous kernel finishes, and the pipelined
+    loop after the wait reads it from L2."""
     end = tl.minimum(byte_end, KB)
     nbytes = tl.where(row_ok & (end > byte_begin), end - byte_begin, 0).to(tl.int32)
     addr = (qweight_ptr + rows.to(tl.int64) * KB + byte_begin).to(tl.int64, bitcast=True)
@@ -355,8 +305,8 @@ def _int4_dot(
     i_end = tl.minimum(i_begin + iters_per_split, tl.cdiv(K, BLOCK_K))
     # The zeros and scales of a step are 2 or 4 bytes of a row (too short for cp.async, so
     # Triton does not pipeline them): loaded one step ahead into registers, or every step would
-    # wait a full memory round trip for them. (Two steps ahead, Triton 3.6 gives up pipelining
-    # the weight and x loads.)
+    # wait a full memory round trip for them. (Two steps ahead, Triton gives up pipelining the
+    # weight and x loads.)
     zero0, scale0 = _load_meta(zeros_ptr, scales_ptr, meta, row_ok, i_begin, G, GPS)
     if PREFETCH:
         _prefetch_rows(qweight_ptr, rows, row_ok, KB, i_begin * BKB, i_end * BKB)
@@ -396,24 +346,29 @@ def _int4_dot(
         acc = _dot(w_lo, tl.trans(_mma_order(x_even, BLOCK_T, BKB)), acc, MODE)
         acc = _dot(w_hi, tl.trans(_mma_order(x_odd, BLOCK_T, BKB)), acc, MODE)
         zero0, scale0 = zero1, scale1
-    _finish(
-        tl.trans(acc),
-        toks,
-        rows,
-        tok_ok,
-        row_ok,
-        T,
-        N,
-        tile,
-        split,
-        splits,
-        bias_ptr,
-        y_ptr,
-        partial_ptr,
-        counter_ptr,
-        HAS_BIAS,
-        SPLIT,
-    )
+    # y (bias added, cast), or this split's partial sums (and, for SPLIT_LAST_SUMS, the final sum
+    # if this program is the row block's last).
+    acc = tl.trans(acc)
+    mask = tok_ok[:, None] & row_ok[None, :]
+    offs = toks.to(tl.int64)[:, None] * N + rows[None, :]
+    if SPLIT == 0:
+        _write_y(acc, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
+    else:
+        plane = T.to(tl.int64) * N
+        tl.store(partial_ptr + split * plane + offs, acc, mask=mask)
+        if SPLIT == 2:
+            # Every thread's stores precede the (one-thread, gpu-scope release) arrival.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(splits):  # split order, as `_sum_splits`: deterministic
+                    # .cg: read L2, not a stale L1 line of an earlier call.
+                    total += tl.load(
+                        partial_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
+                _write_y(total, offs, mask, rows, row_ok, bias_ptr, y_ptr, HAS_BIAS)
+                tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call
 
 
 @triton.jit(do_not_specialize=["T", "splits"])
@@ -444,29 +399,19 @@ def _sum_splits(
 
 
 @triton.jit
-def _load_step(
-    qweight_ptr,
-    zeros_ptr,
-    scales_ptr,
-    rows,
-    row_ok,
-    KB,
-    G,
-    g0,
-    GPS: tl.constexpr,
-    HALF: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-):
-    """Groups ``g0 .. g0 + GPS`` of ``rows``: packed weight ``[ROWS, GPS * HALF]`` (``HALF``
-    units a group, ``KB`` a row: bytes, or 32-bit words for `_step_half2`) and the groups'
-    zeros and scales ``[ROWS, GPS]`` (masked past the row's end: they read nothing).
-    The bytes are one 2-D tile, columns fastest, so that a thread's 16-byte slice of a row is
-    next to the same slice of its other rows (one x value serves them all). ``EVICT_FIRST``:
-    the packed bytes are read once a step, so L2 may drop them first (`Plan.evict_first`)."""
+def _load_step(weights, g0, GPS: tl.constexpr, HALF: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    """Groups ``g0 .. g0 + GPS`` of the program's rows (``weights``: ``(packed_ptr, zeros_ptr,
+    scales_ptr, rows, row_ok, KB, G)``): packed weight ``[ROWS, GPS * HALF]`` (``HALF`` units a
+    group, ``KB`` a row: bytes, or 32-bit words for `_step_half2`) and the groups' zeros and
+    scales ``[ROWS, GPS]`` (masked past the row's end: they read nothing). The bytes are one
+    2-D tile, columns fastest, so that a thread's 16-byte slice of a row is next to the same
+    slice of its other rows (one x value serves them all). ``EVICT_FIRST``: the packed bytes are
+    read once a step, so L2 may drop them first (`Plan.evict_first`)."""
+    packed_ptr, zeros_ptr, scales_ptr, rows, row_ok, KB, G = weights
     byte = g0 * HALF + tl.arange(0, GPS * HALF)
     r64 = rows.to(tl.int64)
     packed = tl.load(
-        qweight_ptr + r64[:, None] * KB + byte[None, :],
+        packed_ptr + r64[:, None] * KB + byte[None, :],
         mask=row_ok[:, None] & (byte < KB)[None, :],
         other=0,
         eviction_policy="evict_first" if EVICT_FIRST else "",
@@ -539,26 +484,7 @@ def _step_fma(
 # the lane order (0, 2), (4, 6), (1, 3), (5, 7) that the nibble asm above gives. $4 the word;
 # $5, $6 the group's -(1024 + z) and -(64 + z) in both halves. Outputs last: an output may share
 # a register with an input.
-_WORD_NIBBLES = tl.constexpr("""
-{
-.reg .b32 t0, t1, l0, l1, h0, h1, c;
-mov.b32 c, 0x2C002C00;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 l0, t0, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 l1, t1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h0, t0, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 h1, t1, 0x00F000F0, 0x64006400, 0xEA;
-add.f16x2 l0, l0, $5;
-add.f16x2 l1, l1, $5;
-fma.rn.f16x2 h0, h0, c, $6;
-fma.rn.f16x2 h1, h1, c, $6;
-mov.b32 $0, l0;
-mov.b32 $1, l1;
-mov.b32 $2, h0;
-mov.b32 $3, h1;
-}
-""")
+_WORD_NIBBLES = tl.constexpr(_f16_nibbles(("$5", "$5"), ("$6", "$6"), _UNSCALED))
 # x's four column pairs of a word ($4..$7: columns (0, 1), (2, 3), (4, 5), (6, 7), as stored) in
 # the weight's lane order, times 1/16 (exact): the fp16 sums below stay far from overflow (four
 # products of |q - z| <= 15 reach 65504 only at |x| > 17000).
@@ -605,10 +531,11 @@ def _f16x2_of(v):
 @triton.jit
 def _step_half2(acc, words, zero, scale, x_ptr, KB, g0, TOKENS: tl.constexpr, GROUP: tl.constexpr):
     """`_step_fma` for fp16 x on packed 32-bit words (``words [ROWS, GPS * GROUP / 8]``, x as
-    int32 column pairs, row stride ``KB``): each weight unpacked once (1.25 instructions), its
-    products in f16x2 FMAs (0.5 a token) and 4 of them summed in fp16 before fp32 takes over, so
-    that a token costs about 1 instruction per weight instead of 3. Sums of four rounded fp16
-    products: relative error about 4e-4 against the fp32 path's 2e-4 (tests/test_int4_gemm_triton.py)."""
+    int32 column pairs, row stride ``KB``): each weight unpacked once, its products in f16x2 FMAs
+    (two products an instruction) and 4 of them summed in fp16 before fp32 takes over, so that a
+    token costs fewer instructions per weight than `_step_fma`'s fp32 FMAs. The fp16 sums of
+    four rounded products are further from the reference than the fp32 path (the tests bound
+    both; docs/gpu-kernels.md, "Half2 products and an L2 prefetch")."""
     ROWS: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
     GPS: tl.constexpr = zero.shape[1]
@@ -675,44 +602,10 @@ def _step_sum(
     return acc
 
 
-@triton.jit
-def _rows_step(
-    acc,
-    packed,
-    zero,
-    scale,
-    g0,
-    x_ptr,
-    qweight_ptr,
-    zeros_ptr,
-    scales_ptr,
-    rows,
-    row_ok,
-    K,
-    KB,
-    WS,
-    G,
-    GROUP: tl.constexpr,
-    TOKENS: tl.constexpr,
-    ASM: tl.constexpr,
-    HALF2: tl.constexpr,
-    PER: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-):
-    """One step of `_int4_rows`: request the next step's weights (past the last step the masks
-    are all off: nothing is read), then reduce this one's. Returns (acc, next step's weights)."""
-    GPS: tl.constexpr = zero.shape[1]
-    ahead = _load_step(
-        qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, g0 + GPS, GPS, PER, EVICT_FIRST
-    )
-    acc = _step_sum(acc, packed, zero, scale, x_ptr, K, KB, g0, TOKENS, GROUP, ASM, HALF2)
-    return acc, ahead[0], ahead[1], ahead[2]
-
-
 @triton.jit(do_not_specialize=["T"])
 def _int4_rows(
     x_ptr,
-    qweight_ptr,
+    packed_ptr,
     scales_ptr,
     zeros_ptr,
     bias_ptr,
@@ -738,99 +631,46 @@ def _int4_rows(
 ):
     """``ROWS`` whole rows of ``TOKENS`` tokens. A row's groups are either ``STEPS`` steps of
     ``GPS`` groups, or (``STEPS == 0``) up to three power-of-two pieces of ``GPS``, ``GB``,
-    ``GC`` groups (`row_pieces`), all of them loaded before the wait. With ``HALF2`` the weight
-    and x come as int32 (32-bit words of packed weight, pairs of fp16 columns: `_step_half2`)."""
+    ``GC`` groups (`row_pieces`), all of them loaded before the wait. ``packed_ptr``: the packed
+    weight, bytes, or with ``HALF2`` 32-bit words (and x then comes as int32 pairs of fp16
+    columns: `_step_half2`)."""
     # Units of the packed weight per group, and its row stride in them: bytes, or words.
     PER: tl.constexpr = GROUP // 8 if HALF2 else GROUP // 2
     WS = KB // 4 if HALF2 else KB
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
+    weights = (packed_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G)
     acc = tl.zeros((BLOCK_T, ROWS), dtype=tl.float32)
-    # The weights are constants (trtc.plugins.kernels.pdl): they are requested before the wait for the
-    # previous kernel, so they stream while it finishes: the whole row, or the first step (each
-    # later step's are requested one step ahead, into registers).
-    pa, za, sa = _load_step(
-        qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, 0, GPS, PER, EVICT_FIRST
-    )
+    # The weights are constants (trtc.plugins.kernels.pdl): they are requested before the wait
+    # for the previous kernel, so they stream while it finishes: the whole row, or the first step
+    # (each later step's are requested one step ahead, into registers).
+    pa, za, sa = _load_step(weights, 0, GPS, PER, EVICT_FIRST)
     if STEPS == 0:
         if GB > 0:
-            pb, zb, sb = _load_step(
-                qweight_ptr, zeros_ptr, scales_ptr, rows, row_ok, WS, G, GPS, GB, PER, EVICT_FIRST
-            )
+            pb, zb, sb = _load_step(weights, GPS, GB, PER, EVICT_FIRST)
         if GC > 0:
-            pc, zc, sc = _load_step(
-                qweight_ptr,
-                zeros_ptr,
-                scales_ptr,
-                rows,
-                row_ok,
-                WS,
-                G,
-                GPS + GB,
-                GC,
-                PER,
-                EVICT_FIRST,
-            )
+            pc, zc, sc = _load_step(weights, GPS + GB, GC, PER, EVICT_FIRST)
         pdl.begin(PDL)
         acc = _step_sum(acc, pa, za, sa, x_ptr, K, KB, 0, TOKENS, GROUP, ASM, HALF2)
         if GB > 0:
             acc = _step_sum(acc, pb, zb, sb, x_ptr, K, KB, GPS, TOKENS, GROUP, ASM, HALF2)
         if GC > 0:
             acc = _step_sum(acc, pc, zc, sc, x_ptr, K, KB, GPS + GB, TOKENS, GROUP, ASM, HALF2)
+    elif STEPS <= 8:
+        # Few steps are unrolled: a loop would carry the packed bytes in one register each
+        # (and repack them for the asm every step). Each step requests the next step's weights
+        # (past the last step the masks are all off: nothing is read), then reduces its own.
+        pdl.begin(PDL)
+        for i in tl.static_range(STEPS):
+            pn, zn, sn = _load_step(weights, i * GPS + GPS, GPS, PER, EVICT_FIRST)
+            acc = _step_sum(acc, pa, za, sa, x_ptr, K, KB, i * GPS, TOKENS, GROUP, ASM, HALF2)
+            pa, za, sa = pn, zn, sn
     else:
         pdl.begin(PDL)
-        # Few steps are unrolled: a loop would carry the packed bytes in one register each
-        # (and repack them for the asm every step).
-        if STEPS <= 8:
-            for i in tl.static_range(STEPS):
-                acc, pa, za, sa = _rows_step(
-                    acc,
-                    pa,
-                    za,
-                    sa,
-                    i * GPS,
-                    x_ptr,
-                    qweight_ptr,
-                    zeros_ptr,
-                    scales_ptr,
-                    rows,
-                    row_ok,
-                    K,
-                    KB,
-                    WS,
-                    G,
-                    GROUP,
-                    TOKENS,
-                    ASM,
-                    HALF2,
-                    PER,
-                    EVICT_FIRST,
-                )
-        else:
-            for i in range(STEPS):
-                acc, pa, za, sa = _rows_step(
-                    acc,
-                    pa,
-                    za,
-                    sa,
-                    i * GPS,
-                    x_ptr,
-                    qweight_ptr,
-                    zeros_ptr,
-                    scales_ptr,
-                    rows,
-                    row_ok,
-                    K,
-                    KB,
-                    WS,
-                    G,
-                    GROUP,
-                    TOKENS,
-                    ASM,
-                    HALF2,
-                    PER,
-                    EVICT_FIRST,
-                )
+        for i in range(STEPS):
+            pn, zn, sn = _load_step(weights, i * GPS + GPS, GPS, PER, EVICT_FIRST)
+            acc = _step_sum(acc, pa, za, sa, x_ptr, K, KB, i * GPS, TOKENS, GROUP, ASM, HALF2)
+            pa, za, sa = pn, zn, sn
     toks = tl.arange(0, BLOCK_T)
     tok_ok = toks < T
     mask = tok_ok[:, None] & row_ok[None, :]
@@ -926,18 +766,18 @@ def block_k_for(k: int, group_size: int) -> int:
 
 
 def split_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132) -> Plan:
-    """The fastest launch of the split-K dot kernel `_int4_dot` for ``[tokens, k] @ [n, k].T``
-    on an H200 (2026-12-02, docs/gpu-kernels.md; ``benchmark.py`` times the alternatives)."""
+    """The launch of the split-K dot kernel `_int4_dot` for ``[tokens, k] @ [n, k].T``: the
+    fastest of the alternatives that benchmarks/int4_gemm.py times (docs/gpu-kernels.md,
+    "Int4Gemm")."""
     block_k = block_k_for(k, group_size)
     if tokens <= 16:
         # Decode (memory-bound): 1..16 tokens are one 16-wide tile; 64 rows per program (one
-        # warpgroup; 168 registers a thread: three programs per SM), 256 columns (128
+        # warpgroup; its registers leave room for three programs per SM), 256 columns (128
         # contiguous bytes of each row) per step. K is split until the programs fill the SMs
-        # once; the last program of a row block adds the partial sums (one launch). On the
-        # Llama-7B projections it took 5-17% less time than 128-row programs (two warpgroups,
-        # two per SM) and 18-36% less than 128-column steps.
+        # once; the last program of a row block adds the partial sums (one launch). 128-row
+        # programs (two warpgroups, two per SM) and 128-column steps were slower.
         # Layers of at most 4096 x 4096 prefetch each program's slice into L2 before the wait
-        # (4-5% less time at 4..16 tokens; 4-5% more on the larger layers: 2026-12-04).
+        # (it pays there, and costs time on the larger layers).
         split = split_k_for(-(-n // 64), -(-k // block_k), 3 * sm_count, tokens, k)
         return Plan(
             16,
@@ -949,24 +789,24 @@ def split_plan(tokens: int, n: int, k: int, group_size: int, sm_count: int = 132
             block_k=block_k,
             prefetch=n * k <= 4096 * 4096,
         )
-    # Prefill (compute-bound): 64 tokens x 128 rows, one group (128 columns) per step; it took
-    # 16-34% less time than 128 x 128 tiles with 8 warps.
+    # Prefill (compute-bound): 64 tokens x 128 rows, one group (128 columns) per step (faster
+    # than 128 x 128 tiles with 8 warps).
     return Plan(64, 128, 1, num_warps=4, num_stages=3, block_k=max(128, group_size))
 
 
 def default_plan(
     tokens: int, n: int, k: int, group_size: int, sm_count: int = 132, fp16: bool = True
 ) -> Plan:
-    """The launch measured fastest for ``[tokens, k] @ [n, k].T`` on an H200 (docs/gpu-kernels.md,
-    2026-12-04; ``benchmark.py`` times the alternatives). ``fp16``: the activations are fp16 (the
-    rows kernel's half2 products; bf16 and fp32 take its fp32 ones)."""
+    """The launch for ``[tokens, k] @ [n, k].T``: the fastest of the alternatives that
+    benchmarks/int4_gemm.py times (docs/gpu-kernels.md, "Weights-first decode kernel", "Half2
+    products and an L2 prefetch", "The read ceiling, and evict-first weights"). ``fp16``: the
+    activations are fp16 (the rows kernel's half2 products; bf16 and fp32 take its fp32
+    ones)."""
     if tokens == 1:
         # The weights-first kernel, 8 rows a program, the whole row loaded before the wait, half2
-        # products: 4.55 / 11.00 / 12.84 us on the Llama-7B projections, against 4.59 / 10.99 /
-        # 14.01 with fp32 products and 8.86 / 16.02 / 16.27 for the split kernel. 4 warps where a
+        # products (fp32 products and the split kernel are slower at one token). 4 warps where a
         # row is one 2048-byte piece, 8 for the 5.5 KB rows of K = 11008. The packed weight is
-        # loaded evict-first in every rows plan (4.42 / 10.81 / 12.44 against 4.55 / 11.04 /
-        # 12.79 us at one token in one call, 2026-12-04).
+        # loaded evict-first in every rows plan: it is read once, L2 should keep the rest.
         return Plan(
             16,
             8,
@@ -978,9 +818,8 @@ def default_plan(
             evict_first=True,
         )
     if tokens == 2 and fp16 and k <= 4096:
-        # Half2 products make a second token cheap enough on short rows: 6.63 / 15.66 us against
-        # the split kernel's 8.87 / 16.02 on [4096, 4096] / [11008, 4096] (21.8 against 16.3 on
-        # [4096, 11008]).
+        # Half2 products make a second token cheap enough on short rows (the split kernel stays
+        # the faster one on long rows, K = 11008).
         return Plan(
             16,
             4,
@@ -992,8 +831,8 @@ def default_plan(
             evict_first=True,
         )
     if tokens == 2 and n * k <= 4096 * 4096:
-        # fp32 products (bf16): it wins only where the split kernel's fixed cost is most of its
-        # time (8.1 against 8.9 us on [4096, 4096]; 18.6-20.3 against 16.0 us on [11008, 4096]).
+        # fp32 products (bf16): faster only where the split kernel's fixed cost is most of its
+        # time (small layers).
         return Plan(16, 4, kernel="rows", num_warps=4, num_stages=1, block_k=2048, evict_first=True)
     return split_plan(tokens, n, k, group_size, sm_count)
 
@@ -1091,9 +930,9 @@ def int4_gemm(
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.max_registers:
         launch["maxnreg"] = plan.max_registers
-    # PDL (trtc.plugins.kernels.pdl) for decode launches only: prefill launches lost with it (measured:
-    # 48 against 36 us at 256 tokens on [4096, 4096]; presumably their programs, placed while the
-    # previous kernel still holds the SMs, are spread unevenly).
+    # PDL (trtc.plugins.kernels.pdl) for decode launches only: prefill launches are slower with it
+    # (docs/gpu-kernels.md, "Programmatic dependent launch"; presumably their programs, placed
+    # while the previous kernel still holds the SMs, are spread unevenly).
     pdl_launch = pdl.launch_options(x.device) if tokens <= 16 else {"PDL": False}
     launch.update(pdl_launch)
     # K/2 is passed on its own (both kernels) so that Triton sees the row stride's divisibility

@@ -5,15 +5,16 @@ rounded once to x's dtype).
 At one token a projection is a stream of its weight bytes, and what it costs beyond the bytes is
 the ramp at its start and the tail at its end. So each program owns ``ROWS`` whole rows: it loads
 them (all of K at once, one tile) *before* waiting for the kernel that produces x (programmatic
-dependent launch, `trtc.plugins.kernels.pdl`), so the weight reads of a projection overlap the end of
-the kernel before it; after the wait it reads x (from L2), multiplies, reduces each row and
-writes it. No split over K and no partial sums: one launch, deterministic.
+dependent launch, `trtc.plugins.kernels.pdl`), so the weight reads of a projection overlap the
+end of the kernel before it; after the wait it reads x (from L2), multiplies, reduces each row
+and writes it. No split over K and no partial sums: one launch, deterministic.
 
 K is padded to a power of two in the tile (masked lanes read nothing); a program holds ``TILE``
 weights. The MLP's gate/up projection can end in SwiGLU (``swiglu``: a program owns row j of the
-gate and row j of the up half and writes SwiGLU's output j; the CUDA executor fuses
-``Gemm -> SwiGLU`` into it, runtime/executors/fusions/gemm_swiglu.py), one kernel and one round trip of the 2 x MLP wide
-intermediate fewer per layer.
+gate and row j of the up half and writes SwiGLU's output j; the CUDA executor fuses ``Gemm ->
+SwiGLU`` into it, runtime/executors/fusions/gemm_swiglu.py), one kernel and one round trip of the
+2 x MLP wide intermediate fewer per layer. Measurements: docs/gpu-kernels.md, "Dense GEMV for
+few-token decode steps".
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from trtc.plugins.kernels import pdl
 
 # Above this many tokens the projections go to cuBLAS (each token costs a pass of FMAs over the
 # tile; docs/gpu-kernels.md measures where the GEMV stops paying). None: TRTC_GEMV_MAX_TOKENS,
-# read at the first call; `set_max_tokens` changes it (the benchmarks' A/B).
+# read at the first call; `set_max_tokens` changes it (benchmarks compare settings with it).
 _max_tokens: int | None = None
 
 
@@ -136,13 +137,14 @@ def gemv(
     n, k = weight.shape
     if swiglu:
         n //= 2
-    # Measured on the H200 (BENCHMARKS.md): 8 warps at one token, 4 at two.
+    # 8 warps at one token (faster than 4 there), 4 at two (docs/gpu-kernels.md, "Dense GEMV for
+    # few-token decode steps").
     num_warps = num_warps or (8 if tokens == 1 else 4)
     k_p2 = triton.next_power_of_2(k)
     rows = rows or max(1, TILE // k_p2 // (2 if swiglu else 1))
     weight = weight.contiguous()
     y = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    launch = pdl.launch_options(x.device, use_pdl)
+    launch = dict(pdl.launch_options(x.device, use_pdl), num_warps=num_warps)
     _gemv[(triton.cdiv(n, rows),)](
         x,
         weight,
@@ -156,7 +158,6 @@ def gemv(
         K_P2=k_p2,
         HAS_BIAS=bias is not None,
         SWIGLU=swiglu,
-        num_warps=num_warps,
         **launch,
     )
     return y

@@ -17,7 +17,7 @@ The contract every kernel launched with ``launch_pdl`` keeps (`begin` spells it)
 Kernels without PDL (cuBLAS, torch's own) keep the stream's plain ordering, and a PDL kernel after
 one of them simply starts when it completes. CUDA-graph capture keeps the programmatic edges.
 
-``TRTC_PDL=0`` turns it off (the A/B of the benchmarks); it is off on GPUs before Hopper and in
+``TRTC_PDL=0`` turns it off (benchmarks compare the two); it is off on GPUs before Hopper and in
 Triton's CPU interpreter.
 """
 

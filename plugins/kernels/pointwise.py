@@ -114,7 +114,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 # --- Fused kernels: what the CUDA executor runs in place of several graph nodes -------------
-# (see runtime/executors/fusion.py; each computes exactly what its nodes compute one after the other).
+# (see runtime/executors/fusions/; each computes exactly what its nodes compute one after the
+# other).
 
 
 @triton.jit

@@ -15,8 +15,8 @@ Kernels:
 Which sequence a query tile belongs to is found in the kernel by a binary search over
 ``query_start_loc``, so the launch depends only on tensor shapes, never on their values: the step
 can be captured in a CUDA graph. All three launch with programmatic dependent launch where the GPU
-has it (`trtc.plugins.kernels.pdl`; every access is to data an earlier kernel may write, so each waits
-first).
+has it (`trtc.plugins.kernels.pdl`; every access is to data an earlier kernel may write, so each
+waits first).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from trtc.plugins.kernels import pdl
 from trtc.plugins.kernels.arrival_counters import arrival_counters
+from trtc.plugins.paged_attention import SPEC
 from trtc.plugins.paged_attention.reference import check_scales
 
 
@@ -161,7 +162,8 @@ def _paged_attention(
     context_len = tl.load(context_lens_ptr + seq)
     num_new = q_end - q_begin
 
-    # Rows: TILE_Q tokens x GROUP heads (row r = token r // GROUP, head r % GROUP), padded to TILE_M.
+    # Rows: TILE_Q tokens x GROUP heads (row r = token r // GROUP, head r % GROUP), padded to
+    # TILE_M.
     rows = tl.arange(0, TILE_M)
     row_token = q_start + rows // GROUP
     row_head = kv_head * GROUP + rows % GROUP
@@ -306,14 +308,14 @@ def _combine(
     pdl.begin(PDL)
     row = tl.program_id(0)
     splits = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2)
-    l = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2 + 1)
-    m_max = tl.max(m, 0)
+    m_s = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2)
+    l_s = tl.load(part_ml_ptr + (row * NUM_SPLITS + splits) * 2 + 1)
+    m_max = tl.max(m_s, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
     dims = tl.arange(0, HEAD_DIM_P2)
     acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM_P2 + dims[None, :])
-    total = tl.sum(w * l, 0)
+    total = tl.sum(w * l_s, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
         out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
@@ -337,8 +339,8 @@ def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms:
     tiles = num_seqs if decode else num_tokens // tile_q + num_seqs
     splits = 1
     if decode:
-        # Measured on the H200 (docs/gpu-kernels.md): 4 splits at batch 64 x 4 KV heads; more
-        # splits were slower (more partial results to combine, shorter loops).
+        # Until the programs fill the SMs four times over: more splits mean more partial results
+        # to combine and shorter loops (docs/gpu-kernels.md, "PagedAttention").
         while tiles * num_kv_heads * splits < 4 * sms and splits < 16:
             splits *= 2
     return {"tile_q": tile_q, "tile_m": tile_m, "tiles": tiles, "splits": splits, "decode": decode}
@@ -354,13 +356,6 @@ def paged_attention(
     context_lens,
     query_start_loc,
     *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int = 0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
     tile_k: int = 64,
     num_splits: int | None = None,
     num_warps: int = 2,
@@ -368,10 +363,16 @@ def paged_attention(
     heads_first: bool = True,
     write_kv: bool = True,
     merge: str = "auto",
+    **attrs,
 ):
-    """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place.
+    """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place;
+    ``attrs`` the op's attributes, as `trtc.plugins.paged_attention.paged_attention` takes them.
     An FP8 cache is read as E4M3 values converted to the query dtype (exact: every E4M3 value is
-    an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output."""
+    an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output.
+    The other keywords choose the launch (`plan` by default)."""
+    a = SPEC.attribute_values(attrs)
+    num_heads, num_kv_heads, head_dim = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    k_scale, v_scale = a["k_scale"], a["v_scale"]
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     check_scales(kv_cache.dtype, k_scale, v_scale)
     # write_kv=False: the new K/V are already in their slots (the CUDA executor's fused rotary +
@@ -410,9 +411,10 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
     # merge: "last" = the last split of each group merges the partial results (no second launch),
-    # "kernel" = the `_combine` kernel does, "auto" = "last" up to MERGE_LAST_MAX_SPLITS splits.
-    # Measured on the H200 (docs/gpu-kernels.md): batch 64, 4 splits: 49.9 us against 50.7 us;
-    # batch 1, 16 splits: 8.3 us against 3.6 + 1.35 us (the last program reads 16 partials).
+    # "kernel" = the `_combine` kernel does, "auto" = "last" up to MERGE_LAST_MAX_SPLITS splits:
+    # the last program reads the partials one after the other, so the second launch costs less
+    # than that read once the splits are many (docs/gpu-kernels.md, "Merging the splits in the
+    # kernel").
     merge_last = splits > 1 and (
         merge == "last" or (merge == "auto" and splits <= MERGE_LAST_MAX_SPLITS)
     )
@@ -431,9 +433,9 @@ def paged_attention(
         num_seqs,
         block_tables.shape[1],
         cache_kv_stride,
-        scale * k_scale,
+        a["scale"] * k_scale,
         v_scale,
-        sliding_window,
+        a["sliding_window"],
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,

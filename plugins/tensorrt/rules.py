@@ -125,13 +125,9 @@ def _parameters(spec: PluginSpec) -> Mapping[str, inspect.Parameter]:
 
 
 def field_defaults(spec: PluginSpec) -> dict[str, Any]:
-    """Attributes the entry point gives a default (a node exported before they existed may lack them)."""
-    params = _parameters(spec)
-    return {
-        k: params[k].default
-        for k in spec.attributes
-        if k in params and params[k].default is not inspect.Parameter.empty
-    }
+    """Attributes a node may omit, with their values (`PluginSpec.defaults`: a node exported
+    before they existed lacks them)."""
+    return dict(spec.defaults)
 
 
 def num_required_inputs(spec: PluginSpec) -> int:

@@ -274,6 +274,7 @@ class LLMEngine:
         """A snapshot for metrics, health checks and benchmarks."""
         s, bm = self.scheduler, self.block_manager
         return EngineStats(
+            executor=self.executor.name,
             num_waiting=s.num_waiting,
             num_running=s.num_running,
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks,

@@ -61,6 +61,7 @@ class EngineCounters:
 class EngineStats:
     """The engine's state after its last step."""
 
+    executor: str  # torch | cuda | tensorrt
     num_waiting: int
     num_running: int
     kv_blocks_used: int

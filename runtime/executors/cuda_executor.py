@@ -167,8 +167,8 @@ class DecodeInputs:
     def load(self, step: StepInputs) -> None:
         n, width = step.block_tables.shape
         self.copied.synchronize()  # the previous step's copies have read the host buffers
-        # Filled through numpy views of the pinned buffers: a third of the host time of the same
-        # assignments as torch ops (each of which dispatches), on a step's critical path.
+        # Filled through numpy views of the pinned buffers: torch ops would each dispatch, and
+        # this is on a step's critical path.
         h64, h32 = self.host64_np, self.host32_np
         h64[0, :n], h64[1, :n] = step.input_ids.numpy(), step.positions.numpy()
         h64[2, :n] = step.slot_mapping.numpy()

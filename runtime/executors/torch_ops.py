@@ -125,21 +125,8 @@ def swiglu(x, attrs):
     return [F.silu(gate) * up]
 
 
-def attention_options(attrs: dict) -> dict:
-    """A PagedAttention node's attributes as the plugin's keyword arguments (defaults filled)."""
-    return {
-        "num_heads": attrs["num_heads"],
-        "num_kv_heads": attrs["num_kv_heads"],
-        "head_dim": attrs["head_dim"],
-        "scale": attrs["scale"],
-        "sliding_window": attrs.get("sliding_window", 0),
-        "k_scale": attrs.get("k_scale", 1.0),
-        "v_scale": attrs.get("v_scale", 1.0),
-    }
-
-
 def _paged_attention(x, attrs):
-    out, cache = paged_attention(*x, **attention_options(attrs))
+    out, cache = paged_attention(*x, **attrs)  # the entry point fills the spec's defaults
     return [out, cache]
 
 

@@ -18,6 +18,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class EngineMetrics:
+    """The server's Prometheus metrics, fed by the async engine as an `EngineObserver`: gauges
+    and counters copied from `EngineStats` after each step, per-request latencies and token
+    counts from each `RequestOutput`."""
+
     def __init__(self):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
@@ -63,6 +67,7 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # The engine's totals at the last copy: Prometheus counters only take increments.
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
 
     def observe_stats(self, stats: EngineStats) -> None:
@@ -87,6 +92,8 @@ class EngineMetrics:
         self.rejected.inc()
 
     def observe_output(self, out: RequestOutput) -> None:
+        """Tokens of one output; its first token's latency (with the prompt's size) on the
+        output that brings it; the request's latencies and finish reason on its last."""
         if (
             out.first_token_time is not None
             and len(out.token_ids) == len(out.new_token_ids)
@@ -105,4 +112,5 @@ class EngineMetrics:
                     )
 
     def render(self) -> bytes:
+        """The registry in Prometheus' text format, for /metrics."""
         return generate_latest(self.registry)

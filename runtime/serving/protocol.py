@@ -1,16 +1,39 @@
-"""OpenAI-compatible request bodies (the subset trtc serves) and error bodies."""
+"""The OpenAI wire format trtc serves: request bodies (the subset trtc takes), response bodies,
+their streamed chunks, and error bodies.
+
+Requests parse into pydantic models (`parse_request`); anything the server cannot take becomes an
+`OpenAIError`, which the app turns into ``{"error": {...}}`` with a 4xx/5xx status. Responses are
+pydantic models too, built from the engine's `RequestOutput` by a `CompletionFormat` or a
+`ChatFormat`; their fields and their order are those of OpenAI's API, so the official clients
+read them (``"logprobs": null`` included, ``"finish_reason": null`` while a stream runs)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import time
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from trtc.runtime.core.sequence import SamplingParams
+from trtc.runtime.engine.outputs import RequestOutput
+
+# --- errors --------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):
-    """Becomes ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+    """A request the server refuses, with its HTTP status; its body is an `ErrorResponse`."""
 
     def __init__(
         self,
@@ -21,26 +44,66 @@ class OpenAIError(Exception):
         code: str | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status,
-            message,
-            param,
-            type,
-            code,
-        )
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+# pydantic names union members and validators in an error's location ('prompt.str',
+# 'prompt.list[int]', 'function-after'); clients want the field path only.
+_TYPE_TAGS = frozenset(
+    ("str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-plain")
+)
+
+
+def validation_error(e: ValidationError) -> OpenAIError:
+    """The first problem pydantic found (in `e.errors()`, which FastAPI's
+    RequestValidationError has too), as a 400 naming the parameter by its dotted path."""
+    first = e.errors()[0]
+    loc = [
+        str(p)
+        for p in first["loc"]
+        if p != "body" and not (isinstance(p, str) and ("[" in p or p.lower() in _TYPE_TAGS))
+    ]
+    param = ".".join(loc) or None
+    if first["type"] == "json_invalid":
+        return OpenAIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if first["type"] == "missing":
+        return OpenAIError(400, f"missing required parameter: '{param}'", param)
+    return OpenAIError(
+        400, f"invalid value for '{param}': {first['msg']} (got {first.get('input')!r})", param
+    )
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
+    """A request body as `model_cls`; malformed JSON, a non-object or a bad field is a 400."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# --- requests ------------------------------------------------------------------------------
 
 
 class SamplingFields(BaseModel):
+    """The fields both endpoints share: the model and how to sample."""
+
     # OpenAI clients send fields trtc does not use (user, frequency_penalty=0, ...): accept them.
     model_config = ConfigDict(extra="allow")
 
@@ -60,7 +123,13 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool((self.stream_options or {}).get("include_usage"))
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's parameters; what trtc does not implement is refused, not ignored."""
         if self.n != 1:
             raise OpenAIError(
                 400, f"n={self.n} is not supported: trtc returns one choice per prompt (n=1)", "n"
@@ -103,6 +172,23 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids); a batch of several is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise OpenAIError(
+                    400, "send one prompt per request (batched prompts are not supported)", "prompt"
+                )
+            prompt = prompt[0]
+        return prompt
+
+    def check_supported(self) -> None:
+        if self.echo or self.suffix:
+            raise OpenAIError(
+                400, "echo and suffix are not supported", "echo" if self.echo else "suffix"
+            )
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -110,6 +196,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
+        """The content as one string; only text parts are taken."""
         if isinstance(self.content, list):
             parts = []
             for part in self.content:
@@ -128,3 +215,215 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+    def conversation(self) -> list[dict]:
+        """The messages as a chat template takes them ('developer' is the newer 'system')."""
+        return [
+            {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+            for m in self.messages
+        ]
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> Usage:
+        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        )
+
+
+class ResponseHead(BaseModel):
+    """What every response body and chunk of one request opens with."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class Choice(BaseModel):
+    """One choice (trtc gives one): `index`, then its subclass's payload (text, message or
+    delta), then ``"logprobs": null`` and `finish_reason` (null while a stream runs)."""
+
+    index: int = 0
+    logprobs: None = None
+    finish_reason: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _in_openai_order(self, handler):
+        data = handler(self)
+        head = {"index": data.pop("index")}
+        tail = {"logprobs": data.pop("logprobs"), "finish_reason": data.pop("finish_reason")}
+        return head | data | tail
+
+
+class CompletionChoice(Choice):
+    text: str
+
+
+class CompletionChunk(ResponseHead):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class CompletionResponse(CompletionChunk):
+    """A whole completion: the shape of its chunks, with the usage."""
+
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Choice):
+    message: AssistantMessage
+
+
+class ChatCompletionResponse(ResponseHead):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A streamed piece of the assistant's message; unset fields are left out (``{}`` when a
+    step added no text)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(Choice):
+    delta: ChatDelta
+
+
+class ChatCompletionChunk(ResponseHead):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class UsageChunk(ResponseHead):
+    """A stream's last chunk when the client asked for ``stream_options.include_usage``."""
+
+    choices: list = []
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "trtc"
+    max_model_len: int  # extension: prompt + completion tokens, at most
+    vocab_size: int  # extension
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    running: int
+    waiting: int
+
+
+class HealthFailure(BaseModel):
+    status: Literal["error"] = "error"
+    error: str
+
+
+# --- writing a request's outputs -----------------------------------------------------------
+
+
+class ResponseFormat:
+    """Writes one request's outputs in its endpoint's shape: the whole response, or one chunk per
+    output, opened by `opening()` and closed by `usage_chunk` when asked for."""
+
+    id_prefix: str
+    chunk_object: str
+
+    def __init__(self, request_id: str, model: str):
+        self.head = {
+            "id": f"{self.id_prefix}-{request_id}",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def response(self, out: RequestOutput) -> BaseModel:
+        raise NotImplementedError
+
+    def chunk(self, out: RequestOutput) -> BaseModel:
+        raise NotImplementedError
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def usage_chunk(self, out: RequestOutput) -> UsageChunk:
+        return UsageChunk(**self.head, object=self.chunk_object, usage=Usage.of(out))
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+
+    def response(self, out: RequestOutput) -> CompletionResponse:
+        choice = CompletionChoice(text=out.text, finish_reason=_finish_reason(out))
+        return CompletionResponse(**self.head, choices=[choice], usage=Usage.of(out))
+
+    def chunk(self, out: RequestOutput) -> CompletionChunk:
+        choice = CompletionChoice(text=out.delta_text, finish_reason=_finish_reason(out))
+        return CompletionChunk(**self.head, choices=[choice])
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        choice = ChatChoice(
+            message=AssistantMessage(content=out.text), finish_reason=_finish_reason(out)
+        )
+        return ChatCompletionResponse(**self.head, choices=[choice], usage=Usage.of(out))
+
+    def chunk(self, out: RequestOutput) -> ChatCompletionChunk:
+        delta = ChatDelta(content=out.delta_text) if out.delta_text else ChatDelta()
+        choice = ChatChunkChoice(delta=delta, finish_reason=_finish_reason(out))
+        return ChatCompletionChunk(**self.head, choices=[choice])
+
+    def opening(self) -> list[ChatCompletionChunk]:
+        """The assistant's role, before any text (as OpenAI streams it)."""
+        delta = ChatDelta(role="assistant", content="")
+        return [
+            ChatCompletionChunk(
+                **self.head, choices=[ChatChunkChoice(delta=delta, finish_reason=None)]
+            )
+        ]

@@ -46,7 +46,8 @@ def make_case(
     padding: int = 1,
     device="cpu",
 ) -> Case:
-    """``seqs`` = (cached tokens, new tokens) per sequence; ``padding`` tokens with slot -1 at the end."""
+    """``seqs`` = (cached tokens, new tokens) per sequence; ``padding`` tokens with slot -1 at the
+    end."""
     g = torch.Generator().manual_seed(seed)
     D = head_dim
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, D)

@@ -59,7 +59,8 @@ class GoldenRun:
             self.rows += 1
             assert diff < 1e-2, f"position {seq.cached - 1}: max |logit diff| {diff:.3g}"
             assert int(row.argmax()) == int(ref.argmax()), (
-                f"position {seq.cached - 1}: argmax {int(row.argmax())} vs transformers {int(ref.argmax())}"
+                f"position {seq.cached - 1}: argmax {int(row.argmax())} "
+                f"vs transformers {int(ref.argmax())}"
             )
             if append_greedy and seq.cached == len(seq.tokens):
                 seq.tokens.append(int(row.argmax()))

@@ -12,6 +12,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from trtc.contract import STEP_INPUTS
 from trtc.plugins.paged_attention import SPEC as PAGED_ATTENTION
 from trtc.plugins.paged_attention.reference import paged_attention
 
@@ -22,46 +23,26 @@ def _register() -> str:
     from onnxruntime_extensions import get_library_path, onnx_op
 
     attr_types = {int: T.dt_int64, float: T.dt_float}
+    index_types = {"int64": T.dt_int64, "int32": T.dt_int32}
+    # The step inputs (slot mapping, block tables, ...) have their contract's dtype, the
+    # activations and the cache are fp32; an input that an output aliases is updated in place.
+    in_place = set(PAGED_ATTENTION.aliases.values())
 
     @onnx_op(
         op_type=PAGED_ATTENTION.qualified_name,
         inputs=[
-            T.dt_float,
-            T.dt_float,
-            T.dt_float,
-            T.dt_float,
-            T.dt_int64,
-            T.dt_int32,
-            T.dt_int32,
-            T.dt_int32,
+            index_types[STEP_INPUTS[n][0]] if n in STEP_INPUTS else T.dt_float
+            for n in PAGED_ATTENTION.inputs
         ],
-        outputs=[T.dt_float, T.dt_float],
+        outputs=[T.dt_float] * len(PAGED_ATTENTION.outputs),
         attrs={k: attr_types[t] for k, t in PAGED_ATTENTION.attributes.items()},
     )
-    def _paged_attention(
-        query,
-        key,
-        value,
-        kv_cache,
-        slot_mapping,
-        block_tables,
-        context_lens,
-        query_start_loc,
-        **attrs,
-    ):
-        cache_t = torch.from_numpy(np.array(kv_cache, copy=True))
-        out, cache_t = paged_attention(
-            torch.from_numpy(query),
-            torch.from_numpy(key),
-            torch.from_numpy(value),
-            cache_t,
-            torch.from_numpy(slot_mapping),
-            torch.from_numpy(block_tables),
-            torch.from_numpy(context_lens),
-            torch.from_numpy(query_start_loc),
-            **attrs,
-        )
-        return out.numpy(), cache_t.numpy()
+    def _paged_attention(*inputs, **attrs):
+        tensors = [
+            torch.from_numpy(np.array(x, copy=True) if n in in_place else x)
+            for n, x in zip(PAGED_ATTENTION.inputs, inputs, strict=True)
+        ]
+        return tuple(t.numpy() for t in paged_attention(*tensors, **attrs))
 
     return get_library_path()
 

@@ -5,8 +5,12 @@ lowering computes what the paged graph computes, on a machine without a GPU.
 to a private domain where a Python custom op (onnxruntime-extensions) implements its linear-mode
 semantics, ``out[b, :, write_indices[b] + s, :] = update[b, :, s, :]``. onnxruntime runs the
 opset-23 ``Attention`` as emitted (4-D GQA inputs, bool mask) and the INT4 block-wise and FP8
-``DequantizeLinear`` / ``QuantizeLinear`` of the quantized GEMMs natively, so nothing else is rewritten.
-fp32 graphs only (onnxruntime-extensions registers one type signature per op)."""
+``DequantizeLinear`` / ``QuantizeLinear`` of the quantized GEMMs natively, so nothing else is
+rewritten.
+fp32 graphs only (onnxruntime-extensions registers one type signature per op).
+
+`assert_matches_paged_graph` steps a fixed schedule through a lowered graph and through the paged
+graph it came from, and compares their logits."""
 
 from __future__ import annotations
 
@@ -18,9 +22,17 @@ import numpy as np
 import onnx
 
 from trtc import slot_contract as slot
+from trtc.artifact import Artifact, Manifest
 from trtc.compiler.backends.rtx_lowering import KV_CACHE_UPDATE, for_onnxruntime
+from trtc.contract import SequenceWork
 
 CHECK_DOMAIN = "trtc_rtx_check"
+MAX_SEQ_LEN = 64  # the slot caches of the tiny checks (the artifacts' rope tables hold 512)
+
+
+def load(artifact: Path) -> tuple[onnx.ModelProto, Manifest]:
+    """An artifact's compiled graph and manifest."""
+    return onnx.load(str(artifact / "model.onnx")), Artifact.open(artifact).manifest
 
 
 def kv_cache_update(cache: np.ndarray, update: np.ndarray, write_indices: np.ndarray) -> np.ndarray:
@@ -99,3 +111,36 @@ class SlotOnnxRunner:
         for name, buf in self.cache.items():
             buf[:rows] = outputs[name.replace("_cache.", "_cache_out.")]
         return outputs["logits"]
+
+
+# Steps of three slots: mixed prefill and decode, an idle slot, a chunked prefill, a row padded
+# wider than any slot needs, and (for tiny-mistral's window of 24) sequences past the window.
+SCHEDULE = [
+    ([7, 12, 0], None),
+    ([1, 1, 30], None),
+    ([1, 5, 1], 9),
+    ([1, 0, 1], None),
+    ([1, 1, 1], None),
+    ([1, 1, 1], None),
+]
+
+
+def assert_matches_paged_graph(lowered: onnx.ModelProto, paged_step, atol: float) -> list[int]:
+    """Run SCHEDULE through the lowered graph (onnxruntime, three slots) and through
+    ``paged_step`` (the paged graph: ``list[SequenceWork] -> logits``), asserting equal logits at
+    every busy slot; returns the slots' cached lengths at the end."""
+    runner = SlotOnnxRunner(lowered, num_slots=3)
+    tables = [list(range(b * 4, b * 4 + 4)) for b in range(3)]
+    rng = np.random.default_rng(0)
+    cached = [0, 0, 0]
+    for lengths, width in SCHEDULE:
+        new = [rng.integers(0, 256, n).tolist() for n in lengths]
+        logits = runner.step(
+            [slot.SlotWork(t, c) for t, c in zip(new, cached)], num_new_tokens=width
+        )
+        busy = [b for b, t in enumerate(new) if t]
+        want = paged_step([SequenceWork(new[b], cached[b], tables[b]) for b in busy])
+        assert np.isfinite(logits).all(), "a padding or idle row produced NaN/inf"
+        np.testing.assert_allclose(logits[busy], want, rtol=0, atol=atol, err_msg=f"step {lengths}")
+        cached = [c + len(t) for c, t in zip(cached, new)]
+    return cached

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtc.plugins.paged_attention import SPEC as PAGED_ATTENTION
 from trtc.runtime.executors.graph import RUNTIME_DOMAIN, Fusion, GraphNode, NodeGraph
-from trtc.runtime.executors.torch_ops import attention_options
 
 QKV_ROTARY_CACHE_WRITE = (RUNTIME_DOMAIN, "QKVRotaryCacheWrite")
 PAGED_ATTENTION_CACHED = (RUNTIME_DOMAIN, "PagedAttentionCached")
@@ -49,7 +49,7 @@ def paged_attention_cached(x, attrs):
         block_tables,
         context_lens,
         query_start_loc,
-        **attention_options(attrs),
+        **PAGED_ATTENTION.attribute_values(attrs),
         write_kv=False,
     )
     return [out, cache]

@@ -4,8 +4,9 @@ same dequantized INT4 weights, for the first 16 tokens of 8 prompts, sent concur
 
 The weights are RTN's: what is checked here is the serving path of an INT4 artifact (Int4Gemm
 nodes in the executor, in-flight batching, the API), the same for every INT4 method; AWQ's and
-GPTQ's own compiled graphs are checked against transformers in test_quantized_build.py, and
-calibrating SmolLM2 twice (artifact and reference) would add minutes to the suite."""
+GPTQ's own compiled graphs are checked against transformers in
+tests/compiler/test_quantized_build.py, and calibrating SmolLM2 twice (artifact and reference)
+would add minutes to the suite."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_hf):
-    """transformers' SmolLM2 with the artifact's weights: the quantized Linears dequantized into it."""
+    """transformers' SmolLM2 with the artifact's weights: the quantized Linears dequantized into
+    it."""
     base, tok = smollm2_hf
     hf = copy.deepcopy(base)
     q = int4_config().quantization

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.int4_layers import DEVICE, make_layer
 from trtc.plugins.int4_gemm.reference import dequantize, unpack_int4
 
 fragment_kernel = pytest.importorskip(
     "trtc.plugins.int4_gemm.fragment_kernel", reason="triton is not installed"
 )
-from test_int4_gemm_triton import DEVICE, make_layer  # noqa: E402
 
 
 def decode_words(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -239,7 +239,8 @@ def compile_for_sm90(tokens, n, k, bf16):
     chunk = -(-(k // 128) // plan.warps_k)
     text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False, bf16)
     consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
-                  BF16=bf16, HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints, PDL=True)
+                  BF16=bf16, HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints,
+                  PDL=True)
     half = "*bf16" if bf16 else "*fp16"
     sig = {"x_ptr": half, "words_ptr": "*i32", "records_ptr": half, "bias_ptr": half,
            "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32",

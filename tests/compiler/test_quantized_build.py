@@ -104,7 +104,7 @@ def check_matches_transformers(hf, art):
     prompt = list(range(7, 47))
     logits = ex.execute(make_step([SequenceWork(prompt, 0, [3, 5, 8])], 16))
     seq = prompt
-    for step in range(6):
+    for _ in range(6):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0, -1]
         assert float((logits[0] - ref).abs().max()) < 1e-3

@@ -1,5 +1,6 @@
-"""The CUDA executor's kernel fusion (runtime/executors/fusions/): the fused node list computes what the
-compiled graph computes. Without a GPU the fused Triton kernels run in Triton's CPU interpreter."""
+"""The CUDA executor's kernel fusion (runtime/executors/fusions/): the fused node list computes
+what the compiled graph computes. Without a GPU the fused Triton kernels run in Triton's CPU
+interpreter."""
 
 from __future__ import annotations
 

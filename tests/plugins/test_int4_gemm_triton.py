@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtc.plugins.int4_gemm.reference import dequantize, pack_int4
+from harness.int4_layers import DEVICE, make_layer
+from trtc.plugins.int4_gemm.reference import dequantize
 from trtc.plugins.int4_gemm.reference import int4_gemm as reference
 from trtc.plugins.kernels import arrival_counters
 
@@ -15,20 +16,8 @@ triton_kernels = pytest.importorskip(
     "trtc.plugins.int4_gemm.triton_kernels", reason="triton is not installed"
 )
 Plan = triton_kernels.Plan
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||out - ref|| / ||ref|| against fp64: fp32 arithmetic, and fp16/bf16 outputs (one rounding).
 REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-def make_layer(n, k, group, dtype, bias, seed, device=DEVICE):
-    """Random packed weight (scales 0.001..0.021, zeros 0..15) and bias, made on ``device``."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    groups = -(-k // group)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8, device=device)
-    scales = (torch.rand(n, groups, generator=g, device=device) * 0.02 + 0.001).to(dtype)
-    zeros = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8, device=device)
-    b = torch.randn(n, generator=g, device=device).to(dtype) if bias else None
-    return pack_int4(q), scales, zeros, b
 
 
 def check(tokens, n, k, group, dtype=torch.float16, bias=True, plan=None, seed=0):

@@ -98,7 +98,8 @@ def test_gpu_scaled_mm_matches_reference(tokens, k, n, dtype):
         rel_err(got, reference(x, w, ws, s_in, b, **kw)),
     )
     print(
-        f"{dtype} T={tokens} K={k} N={n}: rel err {e_exact:.2e} vs fp64, {e_ref:.2e} vs the reference"
+        f"{dtype} T={tokens} K={k} N={n}: rel err {e_exact:.2e} vs fp64, "
+        f"{e_ref:.2e} vs the reference"
     )
     assert e_exact < tol, f"rel err {e_exact:.2e} vs the fp64 formula"
     # Against the reference's fp32 arithmetic by METHOD.md's norm: elementwise, Hopper's FP8

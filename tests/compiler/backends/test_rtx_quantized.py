@@ -16,9 +16,10 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from test_rtx_backend import MAX_SEQ_LEN, assert_matches_paged_graph, load, needs_trt, trt
 
 from conftest import CONFIGS, build_quiet, smollm2_available
+from harness.optional_trt import needs_trt, trt
+from harness.rtx_check import MAX_SEQ_LEN, assert_matches_paged_graph, load
 from trtc import slot_contract as slot
 from trtc.artifact import Artifact, sha256_file
 from trtc.compiler.backends.rtx_lowering import lower_for_rtx, lower_quantized_gemms
@@ -113,7 +114,8 @@ def int4_node(k: int, n: int, group: int, dtype=np.float32, bias: bool = True, s
 
 
 def fp8_node(k: int, n: int, input_scale: float, dtype=np.float32, seed: int = 0):
-    """A ``trtc::Fp8Gemm`` model (x and bias in ``dtype``, scales fp32) and the reference's inputs."""
+    """A ``trtc::Fp8Gemm`` model (x and bias in ``dtype``, scales fp32) and the reference's
+    inputs."""
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     weight_scale = torch.rand(n, generator=g) * 0.01 + 0.001

@@ -55,5 +55,6 @@ def test_smollm2_fp32_matches_transformers(smollm2_fp32, smollm2_hf):
     run = run_scenario(smollm2_fp32, hf, prompt_a, text[:25], chat[:33])
     assert run.rows == 28
     print(
-        f"SmolLM2 fp32 graph vs transformers: max |logit diff| {run.max_diff:.2e} over {run.rows} rows"
+        f"SmolLM2 fp32 graph vs transformers: max |logit diff| {run.max_diff:.2e} "
+        f"over {run.rows} rows"
     )

@@ -77,6 +77,23 @@ def test_too_new_or_foreign_manifest_is_refused(tmp_path):
         read_manifest(tmp_path)
 
 
+def test_malformed_manifest_names_the_field(tiny_artifacts, tmp_path):
+    """A manifest of the right format and version whose content does not fit the typed model is
+    refused once, at open, naming the field (not a KeyError deep in an executor)."""
+    manifest = json.loads((tiny_artifacts["tiny-llama"] / "manifest.json").read_text())
+    del manifest["kv_cache"]["block_size"]
+    manifest["limits"]["max_seq_len"] = "long"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"malformed manifest at 'limits\.max_seq_len'"):
+        Artifact.open(tmp_path)
+
+
+def test_manifest_round_trips(tiny_artifacts):
+    """What `trtc build` wrote is what the typed manifest writes again (one definition)."""
+    path = tiny_artifacts["tiny-llama"] / "manifest.json"
+    assert Artifact.open(path.parent).manifest.to_json() == path.read_text()
+
+
 def test_truncated_file_is_detected(tiny_artifacts, tmp_path):
     import shutil
 

@@ -5,8 +5,8 @@ loop, whatever stops, aborts or joins in between; the pool must end as it starte
 from __future__ import annotations
 
 import pytest
-from test_scheduler import FakeModel, make, run, seq
 
+from harness.fake_model import FakeModel, make, run, seq
 from trtc.runtime.core.scheduler import Scheduler
 from trtc.runtime.core.sequence import SamplingParams, SequenceStatus
 from trtc.runtime.engine import EngineConfig, LLMEngine

