@@ -56,9 +56,8 @@ def reference_model(method: str, **extra):
         byte_tokenizer(),
         method,
         q.group_size,
-        None,
-        CALIB["num_samples"],
-        CALIB["seq_len"],
+        num_samples=CALIB["num_samples"],
+        seq_len=CALIB["seq_len"],
         act_order=q.act_order,
         partial_groups=q.partial_groups,
     )

@@ -64,9 +64,8 @@ def reference(smollm2_hf):
         tok,
         q.method,
         q.group_size,
-        None,
-        q.calibration.num_samples,
-        q.calibration.seq_len,
+        num_samples=q.calibration.num_samples,
+        seq_len=q.calibration.seq_len,
         partial_groups=q.partial_groups,
     )
     with torch.no_grad():
