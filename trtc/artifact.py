@@ -35,13 +35,8 @@ def sha256_file(path: Path) -> str:
 
 
 class _Section(BaseModel):
-    """A manifest section: fields fixed by the format, nothing else."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class _OpenRecord(BaseModel):
-    """A record whose named fields the runtime reads; the rest is shown by `trtc inspect`."""
+    """A manifest section: the fields the format defines, typed and required. Keys a newer
+    build of the same format version adds are kept (and written back) but not required."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -53,7 +48,7 @@ def _omit_none(value: Any) -> bool:
 class ModelGeometry(_Section):
     """The decoder's shape, read from the source model's config."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     architecture: str
     num_layers: int
@@ -108,11 +103,27 @@ class StepIO(_Section):
     kv_pool: dict[str, Any]
 
 
-class QuantizationRecord(_OpenRecord):
+class QuantizationRecord(_Section):
+    """How the weights were quantized: ``method`` and the record of its stage (the runtime
+    reads the three properties below; the rest is shown by `trtc inspect`)."""
+
     method: str  # none | rtn | awq | gptq | fp8
-    bits: int | None = Field(None, exclude_if=_omit_none)
-    group_size: int | None = Field(None, exclude_if=_omit_none)
-    linear_weight_bytes_quantized: int | None = Field(None, exclude_if=_omit_none)
+
+    def _get(self, key: str) -> Any:
+        return (self.model_extra or {}).get(key)
+
+    @property
+    def bits(self) -> int | None:
+        return self._get("bits")
+
+    @property
+    def group_size(self) -> int | None:
+        return self._get("group_size")
+
+    @property
+    def linear_weight_bytes_quantized(self) -> int | None:
+        """Packed weights plus scales and zero points of every quantized Linear."""
+        return self._get("linear_weight_bytes_quantized")
 
 
 class GraphRecord(_Section):
@@ -132,19 +143,19 @@ class TokenizerRecord(_Section):
     bos_token_id: int | None
 
 
-class EngineRecord(_OpenRecord):
-    """One built TensorRT or TensorRT-RTX plan (profile, I/O and contract kept as recorded)."""
+class EngineRecord(_Section):
+    """One built TensorRT or TensorRT-RTX plan (fields in the order the backends write them)."""
 
     target: str  # sm86, ...
     compute_capability: str  # "8.6"
     backend: str  # tensorrt | tensorrt-rtx
     trt_version: str
+    precision: str
+    kv_layout: str  # paged | slot
+    hardware_compatibility: str | None = Field(None, exclude_if=_omit_none)  # tensorrt only
     file: str
     bytes: int
     sha256: str
-    precision: str
-    kv_layout: str  # paged | slot
-    hardware_compatibility: str | None = Field(None, exclude_if=_omit_none)
     build_time_s: float
     profile: dict[str, dict[str, list[int]]]  # input -> min/opt/max shape
     io: dict[str, Any]  # the built network's inputs and outputs
@@ -160,7 +171,7 @@ class FileRecord(_Section):
 class Manifest(BaseModel):
     """``manifest.json``: everything about an artifact that is not its tensors."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     format: str = FORMAT
     format_version: int = FORMAT_VERSION

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from trtc.artifact import KVCacheLayout
@@ -49,7 +48,6 @@ TORCH_DTYPES = {
     "bf16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
 }  # fp8: KV cache only (E4M3, scaled per layer)
-NUMPY_DTYPES = {"int64": np.int64, "int32": np.int32}
 
 
 def kv_input_name(layer: int) -> str:

@@ -1,6 +1,9 @@
 """Every ``TRTC_*`` environment variable trtc reads: its meaning, its default and how it is
 parsed, in one place. Read as attributes (``envs.TRTC_PDL``) when used, never at import, so a
-test or a benchmark that sets one before it builds an engine sees its value.
+test or a benchmark that sets one before it builds an engine sees its value. Two are read once
+per process, at the first kernel launch that consults them, because every launch does:
+``TRTC_PDL`` and ``TRTC_GEMV_MAX_TOKENS`` (``pdl.set_enabled`` and ``gemv.set_max_tokens``
+change them afterwards).
 
 ``python -m trtc.envs`` lists them with their current values.
 """

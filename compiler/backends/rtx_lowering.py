@@ -63,7 +63,6 @@ docs/design-notes.md ("TensorRT-RTX lowering").
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import Counter
 
@@ -545,19 +544,3 @@ def lowering_summary(lowered: onnx.ModelProto) -> dict:
     """Op counts of a lowered graph (what the manifest records for the RTX graph)."""
     ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in lowered.graph.node)
     return {"num_nodes": len(lowered.graph.node), "op_counts": dict(sorted(ops.items()))}
-
-
-def for_onnxruntime(lowered: onnx.ModelProto, domain: str) -> onnx.ModelProto:
-    """A copy onnxruntime can run: ``TRT_KVCacheUpdate`` moved to ``domain`` (where a Python
-    custom op implements it) and TensorRT's ``TRT_decomposable`` hint dropped."""
-    m = copy.deepcopy(lowered)
-    for n in m.graph.node:
-        if n.op_type == KV_CACHE_UPDATE and n.domain == "":
-            n.domain = domain
-        if n.op_type == "Attention":
-            keep = [a for a in n.attribute if a.name != "TRT_decomposable"]
-            del n.attribute[:]
-            n.attribute.extend(keep)
-    if not any(o.domain == domain for o in m.opset_import):
-        m.opset_import.append(onnx.helper.make_opsetid(domain, 1))
-    return m

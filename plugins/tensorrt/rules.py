@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from trtc import contract
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import PluginSpec
 
@@ -70,11 +71,8 @@ FIELD_TYPES = {
     float: ("FLOAT32", np.float32),
 }  # PluginFieldType member, array dtype
 
-TORCH_DTYPES = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn,
+TORCH_DTYPES = {  # the contract's float names, and the integer tensors plugins take
+    **contract.TORCH_DTYPES,
     "int64": torch.int64,
     "int32": torch.int32,
     "int8": torch.int8,

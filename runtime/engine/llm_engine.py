@@ -88,7 +88,7 @@ class LLMEngine:
         self.readback = TokenReadback(self.device, self.scheduler.max_num_seqs)
         self._ahead: LaunchedStep | None = None  # queued ahead, its tokens not read yet
         self.generators: dict[str, torch.Generator | None] = {}
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.counters = EngineCounters()
         self.last_step: StepSummary | None = None
@@ -162,7 +162,7 @@ class LLMEngine:
         except ValueError as e:
             raise RequestError(str(e)) from None
         self.generators[request_id] = make_generator(params, self.device)
-        self.outputs.add(request_id)
+        self.output_processor.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -257,9 +257,9 @@ class LLMEngine:
             if token is None:
                 continue
             self.counters.generation_tokens += 1
-            if self.outputs.first_token(seq, now):
+            if self.output_processor.first_token(seq, now):
                 self.counters.prompt_tokens += seq.num_prompt_tokens
-            if self.outputs.hits_stop_string(seq):
+            if self.output_processor.hits_stop_string(seq):
                 self.scheduler.finish(seq, "stop")
             outputs.append(self._output(seq))
         return outputs
@@ -267,7 +267,7 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         if seq.is_finished:
             self.generators.pop(seq.request_id, None)
-        return self.outputs.output(seq)
+        return self.output_processor.output(seq)
 
     # --- state ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

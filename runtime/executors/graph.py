@@ -39,7 +39,7 @@ class NodeGraph:
     def __init__(
         self, nodes: list[GraphNode], constants: dict[str, torch.Tensor], outputs: set[str]
     ):
-        self.graph = nodes
+        self.original = nodes
         self.constants = constants  # mutable: a layout rewrite swaps tensors in place
         self.graph_outputs = outputs
         self.readers: dict[str, list[int]] = {}
@@ -59,7 +59,7 @@ class NodeGraph:
         return i is not None and i not in self._replaced
 
     def op(self, i: int | None) -> tuple[str, str] | None:
-        return None if i is None else self.graph[i].op
+        return None if i is None else self.original[i].op
 
     def only_reader(self, tensor: str) -> int | None:
         """The one node that reads ``tensor``, if exactly one does and it is no graph output."""
@@ -83,7 +83,7 @@ class NodeGraph:
             self._replaced[i] = None
 
     def nodes(self) -> list[GraphNode]:
-        out = (self._replaced.get(i, n) for i, n in enumerate(self.graph))
+        out = (self._replaced.get(i, n) for i, n in enumerate(self.original))
         return [n for n in out if n is not None]
 
 

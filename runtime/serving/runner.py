@@ -29,16 +29,16 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went aw
 
 
 async def start(
-    core: AsyncEngine, prompt_ids: list[int], params: SamplingParams
+    async_engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams
 ) -> tuple[OutputStream, RequestOutput]:
     """The request's output stream and its first output."""
     try:
-        core.check(prompt_ids, params)
+        async_engine.check(prompt_ids, params)
     except RequestError as e:
         raise OpenAIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
-    if core.error is not None:
-        raise OpenAIError(500, f"the engine failed: {core.error}", type="server_error")
-    stream = core.generate(prompt_ids, params)
+    if async_engine.error is not None:
+        raise OpenAIError(500, f"the engine failed: {async_engine.error}", type="server_error")
+    stream = async_engine.generate(prompt_ids, params)
     try:
         return stream, await stream.__anext__()
     except QueueFull as e:
@@ -108,7 +108,7 @@ def event_stream(
 
 async def respond(
     request: Request,
-    core: AsyncEngine,
+    async_engine: AsyncEngine,
     body: SamplingFields,
     prompt_ids: list[int],
     params: SamplingParams,
@@ -116,7 +116,7 @@ async def respond(
     model: str,
 ) -> BaseModel | Response:
     """Run one request and answer in its endpoint's shape, streamed or whole."""
-    stream, first = await start(core, prompt_ids, params)
+    stream, first = await start(async_engine, prompt_ids, params)
     fmt = format_cls(first.request_id, model)
     if body.stream:
         return event_stream(stream, first, fmt, body.include_usage)

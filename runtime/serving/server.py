@@ -51,7 +51,7 @@ class ServerState:
     """What the routes share: the engine, its background loop, the metrics and the API key."""
 
     engine: LLMEngine
-    core: AsyncEngine
+    async_engine: AsyncEngine
     metrics: EngineMetrics
     api_key: str | None
 
@@ -94,7 +94,7 @@ async def completions(request: Request, state: State):
         raise OpenAIError(400, "the prompt is empty", "prompt")
     body.check_supported()
     return await respond(
-        request, state.core, body, prompt_ids, params, CompletionFormat, state.model_name
+        request, state.async_engine, body, prompt_ids, params, CompletionFormat, state.model_name
     )
 
 
@@ -108,7 +108,7 @@ async def chat_completions(request: Request, state: State):
     except Exception as e:  # template errors (e.g. roles out of order) are the client's
         raise OpenAIError(400, f"cannot apply the chat template: {e}", "messages") from None
     return await respond(
-        request, state.core, body, prompt_ids, params, ChatFormat, state.model_name
+        request, state.async_engine, body, prompt_ids, params, ChatFormat, state.model_name
     )
 
 
@@ -124,8 +124,8 @@ async def models(state: State):
 
 @router.get("/health", response_model=Health)
 async def health(state: State):
-    if state.core.error is not None:
-        failure = HealthFailure(error=str(state.core.error))
+    if state.async_engine.error is not None:
+        failure = HealthFailure(error=str(state.async_engine.error))
         return JSONResponse(failure.model_dump(), status_code=503)
     stats = state.engine.stats()
     return Health(model=state.model_name, running=stats.num_running, waiting=stats.num_waiting)
@@ -173,7 +173,7 @@ class RequireApiKey:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     state: ServerState = app.state.trtc
-    state.core.start()
+    state.async_engine.start()
     stats = state.engine.stats()
     log.info(
         "serving %s (%s executor, %d KV blocks of %d tokens)",
@@ -183,7 +183,7 @@ async def _lifespan(app: FastAPI):
         stats.block_size,
     )
     yield
-    state.core.stop()
+    state.async_engine.stop()
 
 
 def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int = 256) -> FastAPI:

@@ -14,6 +14,7 @@ graph it came from, and compares their logits."""
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -23,11 +24,27 @@ import onnx
 
 from trtc import slot_contract as slot
 from trtc.artifact import Artifact, Manifest
-from trtc.compiler.backends.rtx_lowering import KV_CACHE_UPDATE, for_onnxruntime
+from trtc.compiler.backends.rtx_lowering import KV_CACHE_UPDATE
 from trtc.contract import SequenceWork
 
 CHECK_DOMAIN = "trtc_rtx_check"
 MAX_SEQ_LEN = 64  # the slot caches of the tiny checks (the artifacts' rope tables hold 512)
+
+
+def for_onnxruntime(lowered: onnx.ModelProto, domain: str) -> onnx.ModelProto:
+    """A copy onnxruntime can run: ``TRT_KVCacheUpdate`` moved to ``domain`` (where a Python
+    custom op implements it) and TensorRT's ``TRT_decomposable`` hint dropped."""
+    m = copy.deepcopy(lowered)
+    for n in m.graph.node:
+        if n.op_type == KV_CACHE_UPDATE and n.domain == "":
+            n.domain = domain
+        if n.op_type == "Attention":
+            keep = [a for a in n.attribute if a.name != "TRT_decomposable"]
+            del n.attribute[:]
+            n.attribute.extend(keep)
+    if not any(o.domain == domain for o in m.opset_import):
+        m.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    return m
 
 
 def load(artifact: Path) -> tuple[onnx.ModelProto, Manifest]:

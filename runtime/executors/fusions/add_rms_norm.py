@@ -22,7 +22,7 @@ def add_rms_norm(x, attrs):
 
 def fuse_add_rms_norm(g: NodeGraph) -> int:
     count = 0
-    for i, n in enumerate(g.graph):
+    for i, n in enumerate(g.original):
         if n.op != ("", "Add") or not g.free(i) or any(g.is_constant(t) for t in n.inputs):
             continue
         norms = [
@@ -30,11 +30,11 @@ def fuse_add_rms_norm(g: NodeGraph) -> int:
             for j in g.readers.get(n.outputs[0], [])
             if g.op(j) == ("", "RMSNormalization")
             and g.free(j)
-            and g.graph[j].inputs[0] == n.outputs[0]
+            and g.original[j].inputs[0] == n.outputs[0]
         ]
         if not norms:
             continue
-        norm = g.graph[norms[0]]
+        norm = g.original[norms[0]]
         g.replace(
             i,
             GraphNode(

@@ -35,13 +35,15 @@ def _plain_linear(node: GraphNode) -> bool:
 
 def fuse_gemm_swiglu(g: NodeGraph) -> int:
     count = 0
-    for i, n in enumerate(g.graph):
+    for i, n in enumerate(g.original):
         if not g.free(i) or not _plain_linear(n):
             continue
         j = g.only_reader(n.outputs[0])
-        if g.op(j) != ("trtc", "SwiGLU") or not g.free(j) or g.graph[j].inputs[0] != n.outputs[0]:
+        if g.op(j) != ("trtc", "SwiGLU") or not g.free(j):
             continue
-        g.replace(i, GraphNode(GEMM_SWIGLU, n.inputs, g.graph[j].outputs, n.attrs))
+        if g.original[j].inputs[0] != n.outputs[0]:
+            continue
+        g.replace(i, GraphNode(GEMM_SWIGLU, n.inputs, g.original[j].outputs, n.attrs))
         g.remove(j)
         count += 1
     return count

@@ -50,12 +50,12 @@ def fuse_int4_fragments(g: NodeGraph) -> int:
 
     takes = {
         i: (*n.inputs[1:4], n.attrs["group_size"])
-        for i, n in enumerate(g.graph)
+        for i, n in enumerate(g.original)
         if n.op == ("trtc", "Int4Gemm") and g.free(i) and _takes(g, n)
     }
     packed: dict[tuple, tuple[str, str]] = {}
     for i, key in takes.items():
-        n = g.graph[i]
+        n = g.original[i]
         if key not in packed:
             names = tuple(
                 f"{n.inputs[1]}.fragment{len(packed)}_{part}" for part in ("words", "records")

@@ -68,16 +68,16 @@ def _rotary_chain(g: NodeGraph, tensor: str) -> _RotaryChain | None:
     u = g.only_reader(tensor)
     if g.op(u) != ("", "Unsqueeze"):
         return None
-    r = g.only_reader(g.graph[u].outputs[0])
-    if g.op(r) != ("", "RotaryEmbedding") or g.graph[r].inputs[0] != g.graph[u].outputs[0]:
+    r = g.only_reader(g.original[u].outputs[0])
+    if g.op(r) != ("", "RotaryEmbedding") or g.original[r].inputs[0] != g.original[u].outputs[0]:
         return None
-    rot = g.graph[r]
+    rot = g.original[r]
     if rot.attrs.get("interleaved", 0) or len(rot.inputs) < 4:
         return None
     sq = g.only_reader(rot.outputs[0])
     if g.op(sq) != ("", "Squeeze"):
         return None
-    unsqueeze, squeeze = g.graph[u], g.graph[sq]
+    unsqueeze, squeeze = g.original[u], g.original[sq]
     if g.int_values(unsqueeze.inputs[1]) != [0] or g.int_values(squeeze.inputs[1]) != [0]:
         return None
     return _RotaryChain([u, r, sq], squeeze.outputs[0], rot)
@@ -98,7 +98,7 @@ def _splits_qkv(g: NodeGraph, split: GraphNode, attn: GraphNode) -> bool:
 
 def fuse_qkv_rotary(g: NodeGraph) -> int:
     count = 0
-    for i, n in enumerate(g.graph):
+    for i, n in enumerate(g.original):
         if n.op != ("", "Split") or len(n.outputs) != 3 or not g.free(i):
             continue
         q_name, k_name, v_name = n.outputs
@@ -108,7 +108,7 @@ def fuse_qkv_rotary(g: NodeGraph) -> int:
         attn_i = g.only_reader(q.output)
         if g.op(attn_i) != ("trtc", "PagedAttention") or not g.free(attn_i):
             continue
-        attn = g.graph[attn_i]
+        attn = g.original[attn_i]
         a = attn.attrs
         wired = (
             attn.inputs[:3] == [q.output, k.output, v_name]
