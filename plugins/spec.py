@@ -32,11 +32,12 @@ class PluginSpec:
         return f"{DOMAIN}::{self.op_type}"
 
     def attribute_values(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Every attribute, in spec order, from keyword arguments: an omitted one taken from
-        ``defaults`` and each then converted to its declared type. A complete set (a graph
-        node's, or values already normalised here) is returned as given, at the cost of one key
-        comparison: entry points call this on every eager call. Unknown or missing names raise
-        TypeError, as they would in a call of a function that spelled the attributes out."""
+        """Every attribute from keyword arguments, in spec order: an omitted one taken from
+        ``defaults`` and each converted to its declared type. A complete set (a graph node's,
+        or values already normalised here) is returned as given, in the caller's order, at the
+        cost of one key comparison: entry points call this on every eager call. Unknown or
+        missing names raise TypeError, as they would in a call of a function that spelled the
+        attributes out."""
         if given.keys() == self.attributes.keys():
             return dict(given)  # complete already (a graph node's, a normalised call's)
         unknown = sorted(set(given) - set(self.attributes))

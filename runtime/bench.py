@@ -116,6 +116,7 @@ def run_engine(
     start = time.perf_counter()
     next_arrival = start
     peak_kv_blocks = 0
+    stats = engine.stats()
 
     def admit(req: BenchRequest, now: float):
         rid = engine.add_request(None, _params(req), prompt_ids=req.prompt_ids)
@@ -136,13 +137,13 @@ def run_engine(
                 time.sleep(max(0.0, min(next_arrival - now, 0.05)))
                 continue
         else:
-            stats = engine.stats()
-            in_flight = stats.num_waiting + stats.num_running
+            in_flight = stats.num_waiting + stats.num_running  # as the last step left them
             while pending and in_flight < concurrency:
                 admit(pending.pop(0), now)
                 in_flight += 1
         outputs = engine.step()
-        peak_kv_blocks = max(peak_kv_blocks, engine.stats().kv_blocks_used)
+        stats = engine.stats()
+        peak_kv_blocks = max(peak_kv_blocks, stats.kv_blocks_used)
         now = time.perf_counter()
         for out in outputs:
             t = timings[out.request_id]

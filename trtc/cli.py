@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from trtc.errors import TrtcError
 from trtc.runtime.executors import EXECUTORS  # light: no torch at import
 
 app = typer.Typer(
@@ -49,7 +50,6 @@ def build(
     The artifact (manifest.json, model.onnx + model.onnx.data, tokenizer/, build.log) appears
     at the output path only when the whole build succeeded."""
     from trtc.compiler.config import load_config
-    from trtc.errors import TrtcError
 
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
@@ -78,7 +78,6 @@ def inspect(
     """Show what an artifact holds: model, precision, fusions, plugin nodes, KV-cache geometry,
     weight bytes and engines."""
     from trtc.compiler.inspect import inspect_artifact
-    from trtc.errors import TrtcError
 
     try:
         if json_out:
@@ -164,7 +163,6 @@ def serve(
     import logging
 
     from trtc import envs
-    from trtc.errors import TrtcError
     from trtc.runtime.engine import LLMEngine
     from trtc.runtime.serving.server import serve as run_server
 
@@ -202,9 +200,7 @@ def generate(
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
 ):
     """Generate one completion and stream it to the terminal."""
-    from trtc.errors import TrtcError
-    from trtc.runtime.core.sequence import SamplingParams
-    from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError
+    from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
 
     try:
         engine = LLMEngine(
@@ -249,7 +245,6 @@ def evaluate(
     """Perplexity of an artifact on a text file, computed on the compiled graph by the runtime's
     executor: compare a quantized artifact with its unquantized source. The text is cut into
     windows scored as fresh sequences."""
-    from trtc.errors import TrtcError
     from trtc.runtime.evaluate import perplexity
 
     if not text.is_file():
@@ -326,7 +321,6 @@ def bench(
     from rich.table import Table
 
     from trtc import envs
-    from trtc.errors import TrtcError
     from trtc.runtime import bench as B
 
     if (artifact is None) == (url is None):

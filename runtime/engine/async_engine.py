@@ -11,7 +11,6 @@ import collections
 import logging
 import threading
 from collections.abc import AsyncIterator
-from typing import Protocol
 
 from trtc.runtime.core.sequence import SamplingParams
 from trtc.runtime.engine.llm_engine import LLMEngine
@@ -24,14 +23,11 @@ class QueueFull(Exception):
     """More requests are in flight than the server takes; the client should retry later."""
 
 
-class EngineObserver(Protocol):
-    def observe_stats(self, stats: EngineStats) -> None: ...
-    def observe_step(self, step: StepSummary) -> None: ...
-    def observe_output(self, out: RequestOutput) -> None: ...
-    def observe_rejected(self) -> None: ...
+class EngineObserver:
+    """What the engine thread reports (from that thread): the engine's state after each step or
+    command, each step, each output, each refusal. Override what you record; the rest is
+    ignored (the server's metrics are one)."""
 
-
-class _NoObserver:
     def observe_stats(self, stats: EngineStats) -> None:
         pass
 
@@ -49,7 +45,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_pending: int, observer: EngineObserver | None = None):
         self.engine = engine
         self.max_pending = max_pending  # requests admitted or waiting, at most
-        self.observer = observer or _NoObserver()
+        self.observer = observer or EngineObserver()
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

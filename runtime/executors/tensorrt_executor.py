@@ -131,18 +131,17 @@ class TensorRTExecutor:
         import torch
 
         self.artifact = artifact
-        self.dir = artifact.path
-        self.manifest = artifact.manifest
+        self.manifest = artifact.manifest  # read on every load and by benchmarks
         if engine is None:
             engine, reasons = choose_engine(self.manifest)
             if engine is None:
                 raise ArtifactError(
-                    f"{self.dir}: no engine this host can run: " + "; ".join(reasons)
+                    f"{self.artifact.path}: no engine this host can run: " + "; ".join(reasons)
                 )
         why = engine_refusal(engine)
         if why:
             raise ArtifactError(
-                f"{self.dir}: cannot run engine {engine.target} ({engine.file}): {why}"
+                f"{self.artifact.path}: cannot run engine {engine.target} ({engine.file}): {why}"
             )
         artifact.verify([engine.file])
         self.record = engine
@@ -156,10 +155,10 @@ class TensorRTExecutor:
         messages: list[str] = []
         self._logger = make_logger(trt, engine.backend, log.warning, messages)
         self._runtime = trt.Runtime(self._logger)
-        self.engine = self._runtime.deserialize_cuda_engine((self.dir / engine.file).read_bytes())
+        self.engine = self._runtime.deserialize_cuda_engine(artifact.file(engine.file).read_bytes())
         if self.engine is None:
             raise ArtifactError(
-                f"{self.dir}: {engine.backend} could not load {engine.file}: "
+                f"{self.artifact.path}: {engine.backend} could not load {engine.file}: "
                 + ("; ".join(messages) or "no message")
             )
         self.context = self.engine.create_execution_context()

@@ -48,8 +48,7 @@ class TorchExecutor:
 
     def __init__(self, artifact: Artifact, num_blocks: int, device: str = "cpu"):
         self.artifact = artifact
-        self.dir = artifact.path
-        self.manifest = artifact.manifest
+        self.manifest = artifact.manifest  # read on every load and by benchmarks
         artifact.verify([MODEL_FILE, WEIGHTS_FILE])
         self.device = torch.device(device)
         model = onnx.load(str(artifact.file(MODEL_FILE)))
@@ -70,7 +69,8 @@ class TorchExecutor:
         )
         if unsupported:
             raise ArtifactError(
-                f"{self.dir}: the torch executor cannot run op(s) {', '.join(unsupported)}"
+                f"{self.artifact.path}: the torch executor cannot run op(s) "
+                f"{', '.join(unsupported)}"
             )
         self.constants = {i.name: _to_torch(i, self.device) for i in model.graph.initializer}
         self.graph_outputs = {o.name for o in model.graph.output}

@@ -12,12 +12,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from trtc.runtime.engine.async_engine import EngineObserver
 from trtc.runtime.engine.outputs import EngineStats, RequestOutput, StepSummary
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class EngineMetrics:
+class EngineMetrics(EngineObserver):
     """The server's Prometheus metrics, fed by the async engine as an `EngineObserver`: gauges
     and counters copied from `EngineStats` after each step, per-request latencies and token
     counts from each `RequestOutput`."""

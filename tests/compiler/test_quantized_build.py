@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import build_quiet
+from harness.golden import greedy_continuation
 from trtc.artifact import Artifact
 from trtc.compiler.config import parse_config
 from trtc.compiler.quantize.apply import quantize_model
@@ -138,17 +139,7 @@ def test_quantized_artifact_generates_like_transformers(quantized_artifacts):
     prompts = [[i, i + 1, i + 2, 40 + i] * 3 for i in range(8)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert out.token_ids == want
+        assert out.token_ids == greedy_continuation(hf, prompt, 16)
 
 
 def test_eval_command_reports_perplexity(quantized_artifacts, tmp_path):

@@ -87,3 +87,19 @@ def run_scenario(
     run.step([(a, None), (c, None), (b, None)])
     run.step([(a, None), (b, None), (c, None)])
     return run
+
+
+def greedy_continuation(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` for one prompt alone, EOS ignored: the tokens it adds.
+    The mask is explicit: token 0 in a prompt is not padding."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

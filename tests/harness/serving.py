@@ -12,6 +12,18 @@ from pathlib import Path
 
 import httpx
 
+# Plain-text prompts the server checks send (completions; greedy answers compared).
+PLAIN_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "import numpy as np\n",
+    "Paris is the capital of",
+    "The recipe for pancakes calls for",
+    "In 1969, the first humans",
+]
+
 
 def free_port() -> int:
     with socket.socket() as s:

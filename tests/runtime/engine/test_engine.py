@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.golden import greedy_continuation
 from harness.onnx_reference import OnnxReferenceRunner
 from trtc.artifact import Artifact
 from trtc.compiler.tiny import tiny_model
@@ -32,17 +33,7 @@ def test_offline_generate_matches_transformers_greedy(tiny_artifacts, name):
     )  # forces chunked prefill
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])  # an explicit mask: token 0 in a prompt is not padding
-            want = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert out.token_ids == want
+        assert out.token_ids == greedy_continuation(hf, prompt, 24)
         assert out.finish_reason == "length"
     assert llm.engine.block_manager.num_free_blocks == 64
 

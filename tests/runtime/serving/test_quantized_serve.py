@@ -18,22 +18,12 @@ import pytest
 import torch
 
 from conftest import CONFIGS, build_quiet
-from harness.serving import ServerProcess
+from harness.serving import PLAIN_PROMPTS, ServerProcess
 from trtc.compiler.config import load_config, parse_config
 from trtc.compiler.quantize.apply import quantize_model
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
-PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "import numpy as np\n",
-    "Paris is the capital of",
-    "The recipe for pancakes calls for",
-    "In 1969, the first humans",
-]
 NEAR_TIE = 1e-3
 
 
@@ -82,7 +72,7 @@ def test_quantized_artifact_serves_transformers_tokens(artifact, reference, tmp_
             base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600
         )
         model = client.models.list().data[0].id
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PLAIN_PROMPTS]
 
         def request(prompt_ids):
             r = client.completions.create(
@@ -98,7 +88,7 @@ def test_quantized_artifact_serves_transformers_tokens(artifact, reference, tmp_
             served = list(pool.map(request, ids))
     finally:
         server.stop()
-    assert len(served) == len(PROMPTS)
+    assert len(served) == len(PLAIN_PROMPTS)
     for prompt_ids, text in zip(ids, served):
         with torch.no_grad():
             out = hf.generate(

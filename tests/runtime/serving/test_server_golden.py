@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from harness.serving import ServerProcess
+from harness.serving import PLAIN_PROMPTS, ServerProcess
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
@@ -29,16 +29,6 @@ CHAT = [
     "Give me a synonym for happy.",
     "How many legs does a spider have?",
     "What is the boiling point of water in Celsius?",
-]
-PLAIN = [
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "import numpy as np\n",
-    "Paris is the capital of",
-    "The recipe for pancakes calls for",
-    "In 1969, the first humans",
 ]
 
 
@@ -148,7 +138,7 @@ def run_request(
 
 def test_16_concurrent_requests_match_transformers(client, model_name, reference, server):
     jobs = [("chat", t, i % 2 == 0) for i, t in enumerate(CHAT)] + [
-        ("plain", t, i % 2 == 1) for i, t in enumerate(PLAIN)
+        ("plain", t, i % 2 == 1) for i, t in enumerate(PLAIN_PROMPTS)
     ]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: run_request(client, model_name, *j), jobs))
