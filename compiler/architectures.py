@@ -5,7 +5,14 @@ from __future__ import annotations
 from trtc.artifact import ModelGeometry
 from trtc.errors import BuildError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# Architectures whose attention normalises q and k per head before the rotary embedding.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 def check_supported(config) -> str:
@@ -17,6 +24,7 @@ def check_supported(config) -> str:
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
         }
         archs = [
             by_type.get(getattr(config, "model_type", ""), str(getattr(config, "model_type", "?")))
@@ -68,4 +76,5 @@ def geometry_from_config(config) -> ModelGeometry:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         rope_parameters={k: v for k, v in sorted(rope.items())},
         sliding_windows=_sliding_windows(config, config.num_hidden_layers),
+        qk_norm=arch in QK_NORM_ARCHITECTURES,
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import re
+import shutil
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -17,15 +19,21 @@ from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest
 from trtc.compiler import writer
 from trtc.compiler.config import BuildConfig
 from trtc.compiler.export import export_onnx
-from trtc.compiler.model import from_hf
+from trtc.compiler.memory import gb
+from trtc.compiler.model import step_skeleton
 from trtc.compiler.passes.pipeline import check_report, fusion_report, run_passes
 from trtc.compiler.progress import Progress
-from trtc.compiler.source import load_hf_config, load_model, max_seq_len
+from trtc.compiler.source import LoadedSource, load_hf_config, load_source, max_seq_len
+from trtc.compiler.weights import plan_weights
 from trtc.errors import BuildError, ConfigError
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import DOMAIN
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+# A projection's tensors: fp weight and bias, or the INT4 / FP8 plugin's weights and scales.
+LINEAR_TENSOR = re.compile(r"_proj\.(weight|bias|qweight|scales|zeros|weight_scale|input_scale)$")
+# Inside the staging directory: calibrated layers' quantized tensors until they are written.
+QUANTIZE_SPILL = ".quantize"
 
 
 def check_buildable(cfg: BuildConfig) -> None:
@@ -107,24 +115,6 @@ def kv_cache_record(cfg: BuildConfig, g, kv_scales: dict | None = None) -> dict:
     return record
 
 
-def calibrate_kv_cache(cfg: BuildConfig, loaded) -> dict:
-    """Per-layer FP8 KV-cache scales on the calibration text (see quantize/kv_cache.py), and the
-    manifest record of how they were found."""
-    from trtc.compiler.quantize.calibration import calibration_data
-    from trtc.compiler.quantize.kv_cache import HEADROOM, calibrate_kv_scales
-
-    c = cfg.quantization.calibration
-    data = calibration_data(loaded.tokenizer, c.path, c.num_samples, c.seq_len)
-    scales = calibrate_kv_scales(loaded.hf_model, data.batches, loaded.geometry.head_dim)
-    return {
-        "format": "e4m3fn, stored = fp8(x / scale), one scale per layer for K and for V",
-        "rule": f"scale = {HEADROOM:g} * amax / 448 (K: amax of rotary pair norms)",
-        "calibration": data.record(),
-        "k": [k for k, _ in scales],
-        "v": [v for _, v in scales],
-    }
-
-
 def graph_record(model: onnx.ModelProto) -> dict:
     ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
     weight_bytes = Counter()
@@ -138,7 +128,7 @@ def graph_record(model: onnx.ModelProto) -> dict:
             else "lm_head"
             if "lm_head" in name
             else "linear"
-            if name.endswith(("proj.weight", "proj.bias"))
+            if LINEAR_TENSOR.search(name)
             else "norm"
             if "norm" in name
             else "rope_tables"
@@ -199,6 +189,60 @@ def build_rtx(
     return records
 
 
+def _quantize(cfg: BuildConfig, loaded: LoadedSource, staging: Path, progress: Progress):
+    """Quantization and FP8 KV-cache calibration, one decoder layer at a time (see
+    compiler/quantize): the quantization result (None for none) and the KV-scales record
+    (None unless the KV cache is FP8)."""
+    q = cfg.quantization
+    kv_fp8 = cfg.kv_dtype == "fp8"
+    if q.method == "none" and not kv_fp8:
+        return None, None
+    from trtc.compiler.quantize.apply import quantize_source
+
+    if q.method == "none":
+        name, what = "kv scales", "calibrating the FP8 KV cache"
+    else:
+        calibrated = q.method != "rtn" or kv_fp8
+        name, what = (
+            "quantize",
+            f"{q.method} ({'calibrating, ' if calibrated else ''}layer by layer)",
+        )
+    with progress.stage(name, what) as done:
+        result = quantize_source(
+            loaded.weights,
+            loaded.config,
+            loaded.tokenizer,
+            q.method,
+            q.group_size,
+            num_samples=q.calibration.num_samples,
+            seq_len=q.calibration.seq_len,
+            calibration_path=q.calibration.path,
+            act_order=q.act_order,
+            partial_groups=q.partial_groups,
+            kv_cache_scales=kv_fp8,
+            device=q.calibration.device,
+            spill_dir=staging / QUANTIZE_SPILL,
+            log=progress.update,
+        )
+        details = []
+        if q.method != "none":
+            rec = result.record()
+            details.append(
+                f"{rec['num_linears_quantized']} linears, "
+                f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "
+                f"{rec['linear_weight_bytes_quantized'] / 1e6:.0f} MB"
+            )
+        kv_scales = None
+        if kv_fp8:
+            kv_scales = result.kv_record()
+            details.append(
+                f"k_scale {min(kv_scales['k']):.3g}..{max(kv_scales['k']):.3g}, "
+                f"v_scale {min(kv_scales['v']):.3g}..{max(kv_scales['v']):.3g}"
+            )
+        done["detail"] = "; ".join(details)
+    return (result if q.method != "none" else None), kv_scales
+
+
 def build(
     cfg: BuildConfig,
     output: str | None = None,
@@ -210,79 +254,52 @@ def build(
     out_dir = cfg.output_dir(output)
     started = time.perf_counter()
     created = datetime.now(UTC).isoformat(timespec="seconds")
-    with writer.staging_dir(out_dir, force) as staging:
+    with writer.staging_dir(out_dir, force, log=progress.log) as staging:
         progress.log(f"building {cfg.artifact_name} ({cfg.precision}) -> {out_dir}")
         with progress.stage("check", "reading the model config") as done:
             hf_config = load_hf_config(cfg)
             done["detail"] = f"{type(hf_config).__name__.replace('Config', '')}"
         check_group_size(cfg, hf_config)
-        with progress.stage("load", f"loading {cfg.model.source} model") as done:
-            loaded = load_model(cfg)
+        with progress.stage("load", f"opening the {cfg.model.source} checkpoint") as done:
+            loaded = load_source(cfg)
             g = loaded.geometry
             seq_len = max_seq_len(cfg, g)
-            done["detail"] = f"{g.architecture}, {g.num_layers} layers"
-        quantized = None
-        if cfg.quantization.method != "none":
-            q = cfg.quantization
-            with progress.stage(
-                "quantize",
-                f"{q.method} ({'calibrating, ' if q.method != 'rtn' else ''}layer by layer)",
-            ) as done:
-                from trtc.compiler.quantize.apply import quantize_model
-
-                quantized = quantize_model(
-                    loaded.hf_model,
-                    loaded.tokenizer,
-                    q.method,
-                    q.group_size,
-                    num_samples=q.calibration.num_samples,
-                    seq_len=q.calibration.seq_len,
-                    calibration_path=q.calibration.path,
-                    act_order=q.act_order,
-                    partial_groups=q.partial_groups,
-                    log=progress.update,
-                )
-                rec = quantized.record()
-                done["detail"] = (
-                    f"{rec['num_linears_quantized']} linears, "
-                    f"{rec['linear_weight_bytes_fp16'] / 1e6:.0f} MB fp16 -> "
-                    f"{rec['linear_weight_bytes_quantized'] / 1e6:.0f} MB"
-                )
-        kv_scales = None
-        if cfg.kv_dtype == "fp8":
-            with progress.stage("kv scales", "calibrating the FP8 KV cache") as done:
-                kv_scales = calibrate_kv_cache(cfg, loaded)
-                done["detail"] = (
-                    f"k_scale {min(kv_scales['k']):.3g}..{max(kv_scales['k']):.3g}, "
-                    f"v_scale {min(kv_scales['v']):.3g}..{max(kv_scales['v']):.3g}"
-                )
-        with progress.stage("convert", "building the step model") as done:
-            model = from_hf(
-                loaded.hf_model,
+            how = "streamed from disk" if loaded.streamed else "in memory"
+            done["detail"] = (
+                f"{g.architecture}, {g.num_layers} layers, "
+                f"{gb(loaded.weights.nbytes)} of weights ({how})"
+            )
+        dtype = contract.TORCH_DTYPES[cfg.precision]
+        quantized, kv_scales = _quantize(cfg, loaded, staging, progress)
+        with progress.stage("export", "exporting the step graph to ONNX (torch dynamo)") as done:
+            skeleton = step_skeleton(
+                loaded.config,
                 g,
                 seq_len,
-                contract.TORCH_DTYPES[cfg.precision],
+                dtype,
                 quantized,
                 None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])),
             )
-            del loaded.hf_model
-            n_params = sum(p.numel() for p in model.parameters())
-            done["detail"] = (
-                f"{g.architecture}, {g.num_layers} layers, {n_params / 1e6:.1f}M parameters"
-            )
-        with progress.stage("export", "exporting to ONNX (torch dynamo)") as done:
-            proto = export_onnx(model, cfg.kv_dtype, cfg.kv_cache.block_size)
-            del model
-            done["detail"] = f"{len(proto.graph.node)} nodes"
-        proto, results = run_passes(
-            proto, g, cfg.precision, stage=lambda name: progress.stage(f"pass {name}", "running")
+            plan = plan_weights(skeleton, loaded.weights, dtype, quantized)
+            proto = export_onnx(skeleton, cfg.kv_dtype, cfg.kv_cache.block_size)
+            del skeleton
+            done["detail"] = f"{len(proto.graph.node)} nodes, {len(plan)} weights (not read yet)"
+        proto, results, recipes = run_passes(
+            proto,
+            g,
+            cfg.precision,
+            stage=lambda name: progress.stage(f"pass {name}", "running"),
+            weights=plan,
         )
+        del plan
         report = fusion_report(results, g.num_layers)
         problems = check_report(report, g.num_layers)
         if problems:
             raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
-        with progress.stage("write", "writing the artifact") as done:
-            writer.save_onnx(proto, staging)
+        with progress.stage("write", "converting and writing the weights") as done:
+            hashes = writer.save_onnx(proto, staging, recipes, log=progress.update)
+            del recipes
+            shutil.rmtree(staging / QUANTIZE_SPILL, ignore_errors=True)
             loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
             manifest = Manifest(
                 trtc_version=trtc.__version__,
@@ -324,8 +341,8 @@ def build(
                     },
                 },
             )
-            gb = manifest.graph.weight_bytes["total"] / 1e6
-            done["detail"] = f"{gb:.1f} MB of weights"
+            mb = manifest.graph.weight_bytes["total"] / 1e6
+            done["detail"] = f"{mb:.1f} MB of weights"
         if cfg.backend.name == "tensorrt-rtx":
             # From what was written: saving moved the weights out of `proto` into model.onnx.data.
             written = onnx.load(str(staging / MODEL_FILE))
@@ -336,9 +353,13 @@ def build(
             manifest.engines = build_tensorrt(
                 staging, manifest, cfg, progress, cfg.backend.hardware_compatibility
             )
-        manifest.files = writer.file_records(staging)
+        manifest.files = writer.file_records(staging, hashes)
         manifest.build["duration_s"] = round(time.perf_counter() - started, 1)
+        manifest.build["memory"] = progress.memory_record()
         writer.write_manifest(staging, manifest)
-        progress.log(f"built {out_dir} in {time.perf_counter() - started:.1f}s")
+        progress.log(
+            f"built {out_dir} in {time.perf_counter() - started:.1f}s, peak resident memory "
+            f"{gb(progress.peak_bytes)} ({gb(loaded.weights.nbytes)} of weights read)"
+        )
         (staging / BUILD_LOG).write_text(progress.text())
     return out_dir

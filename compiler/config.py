@@ -130,6 +130,11 @@ class CalibrationSection(Section):
     )
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=8)
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="where the calibration math runs, one decoder layer at a time (cuda: the "
+        "build needs a visible GPU); the quantized tensors come back to the CPU",
+    )
 
     @field_validator("path")
     @classmethod

@@ -1,5 +1,9 @@
-"""Stage 2, export: the step model to ONNX (torch dynamo exporter), with the symbolic
-dimensions and tensor names of the step contract."""
+"""Export: the step model to ONNX (torch dynamo exporter), with the symbolic dimensions and
+tensor names of the step contract.
+
+The model is traced on fake tensors (`model.step_skeleton`): the graph holds each weight as a
+placeholder initializer (external data at `weights.PENDING`, never read) that
+`weights.bind` later gives its recipe. Exporting costs the graph's memory, not the model's."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch.export import Dim
 from trtc import contract
 from trtc.compiler.model import StepModel
 from trtc.compiler.passes.swiglu import OPSET
+from trtc.compiler.weights import PENDING
 from trtc.contract import SequenceWork, StepInputs, make_step
 
 ONNX_DTYPES = {
@@ -101,6 +106,26 @@ def export_onnx(model: StepModel, kv_dtype: str, block_size: int) -> onnx.ModelP
             input_names=[s.name for s in specs_in],
             output_names=[s.name for s in specs_out],
         )
+    _fake_weights_to_placeholders(program.model)
     proto = program.model_proto
     _apply_contract_shapes(proto, specs_in, specs_out)
     return proto
+
+
+def _fake_weights_to_placeholders(model) -> None:
+    """Replace each initializer traced from a fake tensor by an external-data reference to
+    `PENDING` (serialising a fake tensor's data is impossible, and not wanted)."""
+    import onnx_ir as ir
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if isinstance(getattr(tensor, "raw", None), FakeTensor):
+            value.const_value = ir.ExternalTensor(
+                PENDING,
+                0,
+                tensor.nbytes,
+                tensor.dtype,
+                shape=tensor.shape,
+                name=name,
+            )

@@ -62,6 +62,15 @@ def inspect_artifact(
         + ")",
     )
     overview.add_row("graph", f"{graph.file}: {graph.num_nodes} nodes, opsets {graph.opset}")
+    build = m.build or {}
+    if "duration_s" in build:
+        memory = build.get("memory") or {}
+        peak = memory.get("peak_rss_bytes")
+        overview.add_row(
+            "build",
+            f"{build['duration_s']} s"
+            + (f", peak resident memory {peak / 1e9:.2f} GB" if peak else ""),
+        )
     console.print(overview)
 
     fusions = Table(title="fusions", title_justify="left")

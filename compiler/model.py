@@ -1,4 +1,4 @@
-"""The decoder as trtc compiles it: Llama, Mistral and Qwen2 in the step contract.
+"""The decoder as trtc compiles it: Llama, Mistral, Qwen2 and Qwen3 in the step contract.
 
 One forward call runs one step of a flattened in-flight batch (see `contract.py`). The code is
 written for clarity of the exported graph: RMSNorm, rotary embedding and SwiGLU are spelled in
@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtc.compiler.architectures import ModelGeometry
+from trtc.plugins.fp8_gemm import Fp8Linear
+from trtc.plugins.int4_gemm import Int4Linear
+from trtc.plugins.int4_gemm.reference import num_groups
 from trtc.plugins.paged_attention import paged_attention
 
 
@@ -52,12 +55,26 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
         self.v_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
         self.o_proj = nn.Linear(g.num_heads * g.head_dim, g.hidden_size, bias=g.o_bias)
+        if g.qk_norm:
+            # Qwen3: one RMSNorm over head_dim, shared by the heads, on q and on k.
+            self.q_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
+            self.k_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``norm`` over each head of ``x[T, heads*head_dim]``, as transformers applies it to the
+        projection viewed as ``[T, heads, head_dim]``; back to 2-D, the rotary's input shape.
+        The views name the head count, not the token count, so both export as constant-shape
+        Reshapes (no per-layer shape arithmetic left in the graph)."""
+        width, head_dim = x.shape[-1], self.g.head_dim
+        return norm(x.view(-1, width // head_dim, head_dim)).view(-1, width)
 
     def forward(self, x, cos, sin, kv_cache, step):
         g = self.g
-        q = apply_rotary(self.q_proj(x), cos, sin, g.head_dim)
-        k = apply_rotary(self.k_proj(x), cos, sin, g.head_dim)
-        v = self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if g.qk_norm:  # before the rotary embedding, as transformers' Qwen3Attention
+            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+        q = apply_rotary(q, cos, sin, g.head_dim)
+        k = apply_rotary(k, cos, sin, g.head_dim)
         out, kv_cache = paged_attention(
             q,
             k,
@@ -160,13 +177,20 @@ class StepModel(nn.Module):
         return (logits, *new_caches)
 
 
-def rope_tables(
-    hf_model, max_seq_len: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[max_seq_len, head_dim/2]`` from the model's own rotary module, so every
-    rope-scaling variant transformers implements (linear, dynamic, yarn, llama3, ...) is
-    honoured."""
-    rotary = hf_model.model.rotary_emb
+def hf_skeleton(config):
+    """transformers' model for ``config`` on the meta device: its module classes (rotary
+    embedding, decoder layer) without allocating a weight."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def rope_tables(config, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_seq_len, head_dim/2]`` from the model's own rotary module (built
+    from the config, as transformers builds it), so every rope-scaling variant transformers
+    implements (linear, dynamic, yarn, llama3, ...) is honoured."""
+    rotary = type(hf_skeleton(config).model.rotary_emb)(config=config)
     positions = torch.arange(max_seq_len)[None]
     probe = torch.zeros(1, dtype=torch.float32)
     with torch.no_grad():
@@ -175,30 +199,55 @@ def rope_tables(
     return cos[0, :, :half].to(dtype).contiguous(), sin[0, :, :half].to(dtype).contiguous()
 
 
-def from_hf(
-    hf_model,
+def step_skeleton(
+    config,
     g: ModelGeometry,
     max_seq_len: int,
     dtype: torch.dtype,
     quantized=None,
     kv_scales: list[tuple[float, float]] | None = None,
 ) -> StepModel:
-    """Our step model with ``hf_model``'s weights; ``quantized`` (a `QuantizationResult`) swaps
-    its projections for the plugin Linear modules (names are transformers', as here);
-    ``kv_scales`` gives each layer's (k_scale, v_scale) for an FP8 KV cache."""
-    cos, sin = rope_tables(hf_model, max_seq_len, dtype)
-    model = StepModel(g, cos, sin)
-    state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
-    if g.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"weights do not match the {g.architecture} layout: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    if quantized is not None:
-        quantized.install(model)
+    """The step model with fake tensors for weights (shapes and dtypes, no storage): what the
+    exporter traces. ``quantized`` (a `QuantizationResult`) swaps the projections it holds for
+    the plugin Linear modules, with empty tensors of the shapes they will have; ``kv_scales``
+    gives each layer's (k_scale, v_scale) for an FP8 KV cache. Only the rotary tables are real.
+    The weights themselves come later, from `compiler.weights.plan_weights`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cos, sin = rope_tables(config, max_seq_len, dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = StepModel(g, cos, sin)
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                # Made in the build precision directly: Module.to cannot convert fake
+                # parameters in place.
+                empty = torch.empty(p.shape, dtype=dtype)
+                setattr(module, name, nn.Parameter(empty, requires_grad=False))
+        for name in quantized.linears.keys() if quantized is not None else ():
+            parent, _, attr = name.rpartition(".")
+            linear = model.get_submodule(name)
+            plugin = _empty_plugin_linear(quantized.method, quantized.group_size, linear)
+            setattr(model.get_submodule(parent), attr, plugin.to(dtype))
     for layer, scales in zip(model.model.layers, kv_scales or ()):
         layer.self_attn.kv_scales = tuple(float(s) for s in scales)
-    return model.to(dtype).eval()
+    return model.eval()
+
+
+def _empty_plugin_linear(method: str, group_size: int | None, linear: nn.Linear) -> nn.Module:
+    """The plugin module replacing ``linear`` (`Int4Linear` or `Fp8Linear`), its tensors empty
+    with the dtypes quantization gives them (the module's ``to`` then applies the model
+    dtype where its contract says so)."""
+    n, k = linear.out_features, linear.in_features
+    bias = None if linear.bias is None else torch.empty(n)
+    if method == "fp8":
+        return Fp8Linear(
+            torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n), torch.empty(()), bias
+        )
+    groups = num_groups(k, group_size)
+    return Int4Linear(
+        torch.empty(n, k // 2, dtype=torch.uint8),
+        torch.empty(n, groups),
+        torch.empty(n, groups, dtype=torch.uint8),
+        bias,
+        group_size,
+    )

@@ -1,5 +1,6 @@
 """Stage-by-stage progress: a live spinner and a line per finished stage on a terminal, plain
-timestamped lines otherwise (CI logs, pipes). Every line also goes to the artifact's build.log."""
+timestamped lines otherwise (CI logs, pipes). Every line also goes to the artifact's build.log.
+Each finished stage says its time and its peak resident memory (`compiler.memory`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from datetime import UTC, datetime
 
 from rich.console import Console
 
+from trtc.compiler.memory import PeakMeter, gb
+
 
 class Progress:
     def __init__(self, interactive: bool | None = None, quiet: bool = False):
@@ -18,6 +21,23 @@ class Progress:
         self.quiet = quiet
         self.lines: list[str] = []
         self._status = None
+        self.meter = PeakMeter()
+        self.stage_peaks: dict[str, int] = {}  # stage name -> peak resident bytes
+        self._outside_stages = self.meter.peak()  # imports, and the work between stages
+
+    @property
+    def peak_bytes(self) -> int:
+        """The build's peak resident memory so far (every stage and the work between)."""
+        self._outside_stages = max(self._outside_stages, self.meter.peak())
+        return max([self._outside_stages, *self.stage_peaks.values()])
+
+    def memory_record(self) -> dict:
+        """For the manifest: peak resident bytes in all and per stage."""
+        return {
+            "peak_rss_bytes": self.peak_bytes,
+            "measured": "exact (VmHWM per stage)" if self.meter.exact else "sampled every 20 ms",
+            "stages": dict(self.stage_peaks),
+        }
 
     def log(self, message: str) -> None:
         stamp = datetime.now(UTC).strftime("%H:%M:%S")
@@ -33,6 +53,8 @@ class Progress:
     def stage(self, name: str, description: str):
         """Run one stage; the body may set ``done["detail"]`` to say what it did."""
         done = {"detail": ""}
+        self._outside_stages = max(self._outside_stages, self.meter.peak())
+        self.meter.reset()
         start = time.perf_counter()
         if not self.interactive:
             self.log(f"{name}: {description} ...")
@@ -50,14 +72,24 @@ class Progress:
             if status:
                 status.stop()
             self._status = None
-            self.log(f"{name}: failed after {time.perf_counter() - start:.1f}s")
+            peak = self._record_peak(name)
+            self.log(f"{name}: failed after {time.perf_counter() - start:.1f}s (peak {gb(peak)})")
             raise
         self._status = None
         if status:
             status.stop()
+        peak = self._record_peak(name)
         detail = f" — {done['detail']}" if done["detail"] else ""
         mark = "✓ " if self.interactive else ""
-        self.log(f"{mark}{name}: done in {time.perf_counter() - start:.1f}s{detail}")
+        self.log(
+            f"{mark}{name}: done in {time.perf_counter() - start:.1f}s, peak {gb(peak)}{detail}"
+        )
+
+    def _record_peak(self, name: str) -> int:
+        peak = self.meter.peak()
+        self.stage_peaks[name] = max(self.stage_peaks.get(name, 0), peak)
+        self.meter.reset()
+        return peak
 
     def update(self, message: str) -> None:
         """Progress inside the running stage (a long one: calibration layer by layer): the live

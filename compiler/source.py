@@ -1,5 +1,11 @@
 """Stage 1, load: a checkpoint (HF directory, GGUF file or tiny random model) becomes a
-transformers model, its tokenizer, its geometry and a hash that identifies the source."""
+`WeightSource` (its tensors, read one at a time), its transformers config and tokenizer, its
+geometry and a hash that identifies it.
+
+A Hugging Face directory of safetensors files is never loaded whole: its tensors are read when
+the artifact is written. GGUF files (which transformers dequantizes as it loads them), a
+directory without safetensors, tiny random models and models with a LoRA adapter merged are
+loaded by transformers into memory (fp32: four bytes a parameter) and read from there."""
 
 from __future__ import annotations
 
@@ -11,17 +17,26 @@ from pathlib import Path
 import torch
 
 from trtc.compiler.architectures import ModelGeometry, check_supported, geometry_from_config
+from trtc.compiler.checkpoint import (
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    SafetensorsCheckpoint,
+    StateDictSource,
+    WeightSource,
+)
 from trtc.compiler.config import BuildConfig, resolve_path
 from trtc.compiler.tiny import byte_tokenizer, tiny_config, tiny_model
 from trtc.errors import BuildError, ConfigError
 
 
 @dataclass
-class LoadedModel:
-    hf_model: torch.nn.Module
+class LoadedSource:
+    weights: WeightSource
+    config: object  # the transformers config
     tokenizer: object
     geometry: ModelGeometry
     source: dict  # manifest record: kind, path, sha256
+    streamed: bool  # weights read from disk a tensor at a time (not held in memory)
 
 
 def _sha256_files(paths: list[Path], root: Path | None = None) -> str:
@@ -86,7 +101,15 @@ def _quiet_gguf_progress() -> None:
         gguf_utils.tqdm = partial(gguf_utils.tqdm, disable=True)
 
 
-def load_model(cfg: BuildConfig) -> LoadedModel:
+def _streamable(cfg: BuildConfig) -> bool:
+    """An HF directory of safetensors, no adapter to merge: weights stream from disk."""
+    if cfg.model.source != "hf" or cfg.model.lora is not None:
+        return False
+    path = resolve_path(cfg.model.path)
+    return (path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()
+
+
+def load_source(cfg: BuildConfig) -> LoadedSource:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -100,6 +123,7 @@ def load_model(cfg: BuildConfig) -> LoadedModel:
         from trtc.compiler.lora import check_adapter
 
         lora_record = check_adapter(resolve_path(cfg.model.lora), config)
+    model = None
     if cfg.model.source == "tiny":
         model = tiny_model(cfg.model.name, cfg.model.seed)
         tokenizer = byte_tokenizer()
@@ -116,7 +140,10 @@ def load_model(cfg: BuildConfig) -> LoadedModel:
         }
     else:
         where, kwargs = _hf_kwargs(cfg)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()
+        if not _streamable(cfg):
+            model = AutoModelForCausalLM.from_pretrained(
+                where, dtype=torch.float32, **kwargs
+            ).eval()
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         path = resolve_path(cfg.model.path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -132,7 +159,13 @@ def load_model(cfg: BuildConfig) -> LoadedModel:
 
         model = merge_adapter(model, resolve_path(cfg.model.lora))
         source["lora"] = lora_record
-    return LoadedModel(model, tokenizer, geometry, source)
+    if model is None:
+        weights: WeightSource = SafetensorsCheckpoint(resolve_path(cfg.model.path))
+    else:
+        weights = StateDictSource(
+            {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}
+        )
+    return LoadedSource(weights, config, tokenizer, geometry, source, streamed=model is None)
 
 
 def load_source_model(source: dict, dtype: torch.dtype = torch.float32):

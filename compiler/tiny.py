@@ -57,6 +57,18 @@ TINY_MODELS = {
             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
         ),
     ),
+    # Per-head q/k RMSNorm, head_dim 32 apart from hidden/heads (16), GQA 4:2, tied embeddings
+    # as in the small Qwen3s, Qwen3's eps and rope theta.
+    "tiny-qwen3": (
+        "Qwen3Config",
+        dict(
+            _COMMON,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
     # Not tiny: the TinyLlama-1.1B geometry with random weights, for GPU benchmarks.
     "llama-1b-random": (
         "LlamaConfig",
@@ -96,12 +108,16 @@ def tiny_model(name: str, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32)
     # Random init gives near-uniform logits; larger weights make argmax checks meaningful.
+    std = INIT_STD.get(name, 0.08)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for param, p in model.named_parameters():
             if p.ndim == 2:
-                p.normal_(0.0, INIT_STD.get(name, 0.08))
-            elif name.endswith(".bias"):
+                p.normal_(0.0, std)
+            elif param.endswith(".bias"):
                 p.normal_(0.0, 0.05)
+            elif param.endswith(("q_norm.weight", "k_norm.weight")):
+                # Not all ones, so a test sees the per-head norms' weights (q and k apart).
+                p.normal_(1.0, 0.2)
     return model.eval()
 
 

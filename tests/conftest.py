@@ -19,7 +19,7 @@ from trtc.compiler.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-TINY_NAMES = ("tiny-llama", "tiny-mistral", "tiny-qwen2")
+TINY_NAMES = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
 
 
 def has_cuda() -> bool:
@@ -41,7 +41,7 @@ def build_quiet(cfg, out: Path, **kw) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """fp32 artifacts of the three tiny models (built lazily, once)."""
+    """fp32 artifacts of the tiny models (`TINY_NAMES`; built lazily, once)."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("tiny")
 

@@ -66,6 +66,9 @@ class ModelGeometry(_Section):
     mlp_bias: bool
     rope_parameters: dict[str, Any]
     sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
+    # Qwen3: RMSNorm over each head of q and k before the rotary embedding. Defaults to False so
+    # manifests written before the field load as what they are.
+    qk_norm: bool = False
 
 
 class Limits(_Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -34,6 +35,21 @@ def _sigterm_as_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+@contextmanager
+def _all_or_nothing():
+    """For commands that write a directory atomically: SIGTERM ends them as Ctrl-C does (so the
+    staging directory is removed), a TrtcError is one line, an interrupt says nothing was
+    written."""
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        yield
+    except TrtcError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        err.print("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+
+
 @app.command()
 def build(
     config: Path = typer.Argument(..., help="build config (YAML); see README 'Build config'"),
@@ -51,18 +67,12 @@ def build(
     at the output path only when the whole build succeeded."""
     from trtc.compiler.config import load_config
 
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    try:
+    with _all_or_nothing():
         cfg = load_config(config)  # fast: a bad config fails before torch is imported
         from trtc.compiler.build import build as run_build
         from trtc.compiler.progress import Progress
 
         out = run_build(cfg, output=output, force=force, progress=Progress(quiet=quiet))
-    except TrtcError as e:
-        _fail(e)
-    except KeyboardInterrupt:
-        err.print("interrupted: nothing was written")
-        raise typer.Exit(130) from None
     if not quiet:
         err.print(f"artifact: {out}   (inspect it with: trtc inspect {out})")
 
@@ -402,6 +412,66 @@ def bench(
                 },
                 indent=2,
             )
+        )
+
+
+def _checkpoint_names() -> str:
+    from trtc.compiler.random_checkpoint import checkpoint_names  # light: no torch at import
+
+    return " | ".join(checkpoint_names())
+
+
+@app.command()
+def checkpoint(
+    name: str = typer.Argument(..., help=f"geometry: {_checkpoint_names()}"),
+    output: Path = typer.Option(
+        ..., "--output", "-o", help="checkpoint directory to create (a `model: {source: hf}` path)"
+    ),
+    dtype: str = typer.Option("bf16", help="bf16 | fp16 | fp32: the stored weights' dtype"),
+    seed: int = typer.Option(
+        0, help="seed of the weights: the same seed writes the same bytes, in any shard size"
+    ),
+    shard_size: str = typer.Option(
+        "5GB",
+        "--shard-size",
+        help="most bytes per safetensors file (5GB, 500MB, 2GiB or a byte count); "
+        "a larger tensor gets a file of its own",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="replace an existing checkpoint at the output path"
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+):
+    """Write a Hugging Face checkpoint with random weights at a named geometry, for benchmarks
+    and tests: config.json, generation_config.json, a byte-level tokenizer and sharded
+    safetensors with an index, as transformers' save_pretrained writes them.
+
+    Tensors are generated and written one at a time, so memory stays small whatever the model
+    (llama-3-8b: 16 GB in bf16). The directory appears at the output path only when complete."""
+    from trtc.compiler.random_checkpoint import format_size, parse_size, write_random_checkpoint
+
+    try:
+        shard_bytes = parse_size(shard_size)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--shard-size") from None
+
+    def shard_done(s) -> None:
+        if not quiet:
+            err.print(
+                f"{s.filename}: {s.tensors} tensors, {format_size(s.bytes)} in {s.seconds:.1f}s "
+                f"({s.index}/{s.count})",
+                soft_wrap=True,
+            )
+
+    with _all_or_nothing():
+        r = write_random_checkpoint(
+            name, output, dtype, seed, shard_bytes, progress=shard_done, force=force
+        )
+    if not quiet:
+        err.print(
+            f"checkpoint: {r.path}   ({len(r.files)} files, {format_size(r.bytes)}, "
+            f"{r.parameters:,} parameters in {dtype}, {r.seconds:.1f}s)",
+            soft_wrap=True,
         )
 
 

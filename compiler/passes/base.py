@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from trtc.compiler.weights import LazyWeight
+
 LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -18,6 +20,9 @@ class PassResult:
     matched: int = 0
     per_layer: Counter = field(default_factory=Counter)  # layer index (or "final") -> count
     notes: list[str] = field(default_factory=list)
+    # What every layer must show, set by the pipeline from the model's geometry (None: a pass
+    # whose count is not checked per layer).
+    expected_per_layer: int | None = None
 
     def count(self, layer) -> None:
         self.matched += 1
@@ -44,12 +49,20 @@ def only_consumer(tensor: gs.Tensor, op: str | None = None) -> gs.Node | None:
 
 
 def const_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The values of a structural constant (a shape, an axis, an exponent); None for a
+    variable and for a checkpoint weight, which never decides a pattern and stays unread."""
     if isinstance(tensor, gs.Constant):
-        return tensor.values
+        return None if isinstance(tensor._values, LazyWeight) else tensor.values
     node = producer(tensor, "Constant")
     if node is not None:
         return node.attrs["value"].values
     return None
+
+
+def weight_values(tensor: gs.Constant) -> np.ndarray | LazyWeight:
+    """A constant's values for a pass that combines weights: a checkpoint weight stays a
+    recipe (see `compiler.weights`), anything else is read."""
+    return tensor._values if isinstance(tensor._values, LazyWeight) else tensor.values
 
 
 def is_scalar(tensor: gs.Tensor, value: float | None = None) -> bool:

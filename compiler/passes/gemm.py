@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from trtc.compiler.passes.base import PassResult, weight_layer
+from trtc.compiler import weights
+from trtc.compiler.passes.base import PassResult, weight_layer, weight_values
 from trtc.plugins.spec import DOMAIN
 
 GROUPS = {  # group name -> projection names, in output order
@@ -48,11 +49,13 @@ def _projection(node: gs.Node) -> str:
 
 
 def _out_features(node: gs.Node) -> int:
-    return node.inputs[1].values.shape[0]
+    return node.inputs[1].shape[0]
 
 
-def _bias(node: gs.Node, position: int, n: int, dtype) -> np.ndarray:
-    return node.inputs[position].values if len(node.inputs) > position else np.zeros(n, dtype)
+def _bias(node: gs.Node, position: int, n: int, dtype):
+    if len(node.inputs) > position:
+        return weight_values(node.inputs[position])
+    return np.zeros(n, dtype)
 
 
 def _merged_inputs(
@@ -62,10 +65,12 @@ def _merged_inputs(
     name = f"{prefix}.{group}_proj"
     sizes = [_out_features(n) for n in nodes]
     if kind == "Gemm":
-        tensors, bias_at = [n.inputs[1].values for n in nodes], 2
+        tensors, bias_at = [n.inputs[1] for n in nodes], 2
         if len({w.dtype for w in tensors}) != 1 or len({w.shape[1] for w in tensors}) != 1:
             return None
-        merged = [gs.Constant(f"{name}.weight", np.concatenate(tensors, 0))]
+        merged = [
+            gs.Constant(f"{name}.weight", weights.concat([weight_values(w) for w in tensors]))
+        ]
     else:
         if kind == "Int4Gemm" and (
             len({n.attrs["group_size"] for n in nodes}) != 1
@@ -74,25 +79,24 @@ def _merged_inputs(
             return None
         bias_at = 4
         merged = [
-            gs.Constant(f"{name}.{part}", np.concatenate([n.inputs[i].values for n in nodes], 0))
+            gs.Constant(
+                f"{name}.{part}", weights.concat([weight_values(n.inputs[i]) for n in nodes])
+            )
             for i, part in CHANNEL_INPUTS[kind]
         ]
     if kind == "Fp8Gemm":  # one static input scale per node; siblings read one input, so equal
         merged.append(
             gs.Constant(
                 f"{name}.input_scale",
-                np.asarray(
-                    np.max([n.inputs[3].values for n in nodes], axis=0),
-                    dtype=nodes[0].inputs[3].values.dtype,
-                ),
+                weights.maximum([weight_values(n.inputs[3]) for n in nodes]),
             )
         )
     if any(len(n.inputs) > bias_at for n in nodes):
-        dtype = next(n.inputs[bias_at].values.dtype for n in nodes if len(n.inputs) > bias_at)
+        dtype = next(n.inputs[bias_at].dtype for n in nodes if len(n.inputs) > bias_at)
         merged.append(
             gs.Constant(
                 f"{name}.bias",
-                np.concatenate([_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)], 0),
+                weights.concat([_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)]),
             )
         )
     return merged

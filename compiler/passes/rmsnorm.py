@@ -1,8 +1,11 @@
 """RMSNorm fusion: ``w * cast(xf * 1/sqrt(mean(xf^2) + eps))`` -> ONNX ``RMSNormalization``
-(opset 23) with fp32 stash type, the precision transformers computes it in."""
+(opset 23) with fp32 stash type, the precision transformers computes it in. Over the last axis of
+any rank: the hidden-size norms read ``[T, hidden]``, Qwen3's per-head q/k norms
+``[T, heads, head_dim]``."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from trtc.compiler.passes.base import (
@@ -50,7 +53,11 @@ def fuse_rmsnorm(graph: gs.Graph) -> PassResult:
         if scale_mul is None:
             continue
         weight = other_operand(scale_mul, tail)
-        if not isinstance(weight, gs.Constant) or weight.values.ndim != 1:
+        # One scale per element of the normalised axis (the shape only: weights stay unread).
+        if not isinstance(weight, gs.Constant) or len(weight.shape) != 1:
+            continue
+        width = xf.shape[-1] if xf.shape else None
+        if isinstance(width, (int, np.integer)) and weight.shape[0] != width:
             continue
         x = _strip_cast(xf)
         out = scale_mul.outputs[0]

@@ -7,7 +7,8 @@ Matches the non-interleaved RoPE spelling of `trtc.compiler.model.apply_rotary`:
     out = Reshape(Concat(x1*c - x2*s, x2*c + x1*s), [T, -1])
 
 and replaces it with ONNX ``RotaryEmbedding`` (opset 23) over ``y[1, T, heads*D]`` that reads
-the tables by position itself, so the per-layer gathers disappear.
+the tables by position itself, so the per-layer gathers disappear. ``y`` is a projection's
+output, or (Qwen3) the per-head norm's output reshaped back to ``[T, heads*D]``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def _table(unsq_out: gs.Tensor) -> tuple[gs.Constant, gs.Tensor] | None:
     if gather is None or not isinstance(gather.inputs[0], gs.Constant):
         return None
     return gather.inputs[0], gather.inputs[1]
+
+
+def _layer(y: gs.Tensor):
+    """The layer ``y`` belongs to: its producer's weights (a projection), or through the Reshape
+    back to ``[T, heads*D]`` the per-head norm's (Qwen3's q_norm / k_norm)."""
+    node = producer(y)
+    if node is not None and node.op == "Reshape":
+        node = producer(node.inputs[0], "RMSNormalization") or node
+    return weight_layer(node) if node is not None else "final"
 
 
 def fuse_rotary(graph: gs.Graph) -> PassResult:
@@ -95,9 +105,13 @@ def fuse_rotary(graph: gs.Graph) -> PassResult:
             continue
         y = shape_in.inputs[0]
         head_dim = 2 * cos.values.shape[-1]
-        width = y.shape[-1] if y.shape else None
+        # The fused node takes [1, T, heads*D]: y must be 2-D of a known width (a [T, heads, D]
+        # input would pass as one head of D).
+        width = y.shape[-1] if y.shape and len(y.shape) == 2 else None
         if not isinstance(width, (int, np.integer)) or width % head_dim:
-            result.notes.append(f"skipped {concat.name}: unknown head count")
+            result.notes.append(
+                f"skipped {concat.name}: its input {y.name} is not [tokens, heads*{head_dim}]"
+            )
             continue
         if pos.name not in position_rows:
             row = gs.Variable(
@@ -114,7 +128,7 @@ def fuse_rotary(graph: gs.Graph) -> PassResult:
                 )
             )
             position_rows[pos.name] = row
-        layer = weight_layer(producer(y)) if producer(y) is not None else "final"
+        layer = _layer(y)
         name = f"rotary.{y.name}"
         y3 = gs.Variable(f"{name}.in", dtype=y.dtype)
         r3 = gs.Variable(f"{name}.out", dtype=y.dtype)

@@ -1,7 +1,9 @@
 """Weight quantization written from the papers: RTN (baseline), AWQ and GPTQ (INT4 W4A16,
-group-wise asymmetric, for `trtc::Int4Gemm`), FP8 E4M3 (for `trtc::Fp8Gemm`).
+group-wise asymmetric, for `trtc::Int4Gemm`), FP8 E4M3 (for `trtc::Fp8Gemm`); FP8 KV-cache
+scales. One decoder layer at a time, from a `WeightSource`.
 
-Entry point: `trtc.compiler.quantize.apply.quantize_model`."""
+Entry points: `trtc.compiler.quantize.apply.quantize_source` (a build: weights read a tensor at
+a time) and `quantize_model` (a transformers model in memory)."""
 
 from trtc.compiler.quantize.apply import (
     METHODS,
@@ -9,6 +11,14 @@ from trtc.compiler.quantize.apply import (
     Int4Weights,
     QuantizationResult,
     quantize_model,
+    quantize_source,
 )
 
-__all__ = ["METHODS", "Fp8Weights", "Int4Weights", "QuantizationResult", "quantize_model"]
+__all__ = [
+    "METHODS",
+    "Fp8Weights",
+    "Int4Weights",
+    "QuantizationResult",
+    "quantize_model",
+    "quantize_source",
+]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtc.compiler.quantize import rtn
-from trtc.compiler.quantize.layers import INPUT_GROUPS, LayerInputs, capture_inputs, linear
+from trtc.compiler.quantize.layers import INPUT_GROUPS, linear
 from trtc.plugins.int4_gemm.reference import per_column
 
 N_GRID = 20  # alpha grid points on [0, 1]
@@ -74,7 +74,7 @@ class ActivationSample:
         self.count += x.shape[0]
         bounds = torch.tensor([self._offset, self._offset + x.shape[0]])
         lo, hi = torch.searchsorted(self.keep, bounds).tolist()
-        self.rows.append(x[self.keep[lo:hi] - self._offset].clone())
+        self.rows.append(x[(self.keep[lo:hi] - self._offset).to(x.device)].clone())
         self._offset += x.shape[0]
 
     @property
@@ -89,18 +89,30 @@ class ActivationSample:
 @dataclass
 class _Group:
     prev: nn.Module  # RMSNorm, or the Linear whose output rows feed the group
+    prev_path: str  # its attribute path in the layer
     prev_is_linear: bool
     paths: tuple[str, ...]  # the Linears that read the input, to be scaled
 
 
 def scale_groups(layer: nn.Module) -> list[_Group]:
     attn, mlp = layer.self_attn, layer.mlp
-    groups = [_Group(layer.input_layernorm, False, INPUT_GROUPS[0])]
+    groups = [_Group(layer.input_layernorm, "input_layernorm", False, INPUT_GROUPS[0])]
     if attn.v_proj.out_features == attn.o_proj.in_features:
-        groups.append(_Group(attn.v_proj, True, INPUT_GROUPS[1]))
-    groups.append(_Group(layer.post_attention_layernorm, False, INPUT_GROUPS[2]))
-    groups.append(_Group(mlp.up_proj, True, INPUT_GROUPS[3]))
+        groups.append(_Group(attn.v_proj, "self_attn.v_proj", True, INPUT_GROUPS[1]))
+    groups.append(
+        _Group(layer.post_attention_layernorm, "post_attention_layernorm", False, INPUT_GROUPS[2])
+    )
+    groups.append(_Group(mlp.up_proj, "mlp.up_proj", True, INPUT_GROUPS[3]))
     return groups
+
+
+def folded_norms(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name in the layer: weight}`` of the RMSNorms `awq_layer` folds its scales into: the
+    fp tensors it changes besides the quantized Linears' (whose biases the INT4 results
+    carry)."""
+    return {
+        f"{g.prev_path}.weight": g.prev.weight for g in scale_groups(layer) if not g.prev_is_linear
+    }
 
 
 def search_scale(
@@ -175,24 +187,26 @@ def clip(weight: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.T
     return torch.maximum(torch.minimum(weight.float(), b), -b)
 
 
+def new_samples(num_tokens: int, max_tokens: int = SEARCH_TOKENS) -> dict[str, ActivationSample]:
+    """An empty `ActivationSample` per input group, keyed by the group's first Linear (the
+    input it reads), for a layer that sees ``num_tokens`` calibration tokens: fill them with the
+    fp layer's inputs (`layers.input_hooks`), then call `awq_layer`."""
+    return {paths[0]: ActivationSample(num_tokens, max_tokens) for paths in INPUT_GROUPS}
+
+
 @torch.no_grad()
 def awq_layer(
     layer: nn.Module,
-    inputs: LayerInputs,
+    samples: dict[str, ActivationSample],
     group_size: int,
     *,
-    max_search_tokens: int = SEARCH_TOKENS,
     max_clip_tokens: int = CLIP_TOKENS,
     clip_search: bool = True,
     partial_groups: bool = False,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Scale-search, fold (in place, on the fp layer) and clip-search one decoder layer.
+    """Scale-search, fold (in place, on the fp layer) and clip-search one decoder layer, from
+    ``samples`` (`new_samples`) of the inputs the unchanged layer saw.
     Returns ``{path: (q uint8 [N, K], scales fp32, zeros uint8)}`` for its seven Linears."""
-    samples = {
-        paths[0]: ActivationSample(inputs.num_tokens, max_search_tokens) for paths in INPUT_GROUPS
-    }
-    capture_inputs(layer, inputs, tuple(samples), lambda path, x: samples[path].add(x))
-
     # 1. Scales, all searched on the fp layer's own activations, then folded.
     for group in scale_groups(layer):
         sample = samples[group.paths[0]]

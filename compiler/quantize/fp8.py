@@ -3,22 +3,22 @@
 * Weights: per output channel, ``weight_scale[n] = max_k |W[n, k]| / 448`` (448 is E4M3's
   largest finite value), ``weight = fp8(W / weight_scale[:, None])``: each row uses the whole
   E4M3 range, and no weight saturates.
-  By default (`apply.quantize_model`, ``fp8_error_feedback=True``) the weights are rounded to
+  By default (`apply.quantize_source`, ``fp8_error_feedback=True``) the weights are rounded to
   that same grid with GPTQ's error feedback (`gptq.gptq_fp8`) instead of independently: the
   scales and the format are unchanged, each weight's choice between its two neighbouring E4M3
   values accounts for the rounding of the columns before it. E4M3 keeps only 3 mantissa bits,
   coarse enough that compensating each rounding pays on a small model (docs/quantization.md,
   "FP8 weights: error-feedback damping").
 * Activations: one static scale per Linear input, ``input_scale = amax / 448`` with ``amax`` the
-  largest |x| that Linear saw over the calibration set (fp model). Larger values at serving
-  time saturate (the Fp8Gemm contract).
+  largest |x| that Linear saw over the calibration set (fp model, every layer fed the fp
+  outputs of the layer before it). Larger values at serving time saturate (the Fp8Gemm
+  contract).
 """
 
 from __future__ import annotations
 
 import torch
 
-from trtc.compiler.quantize.layers import LINEARS, decoder_layers, linear
 from trtc.plugins.fp8_gemm.reference import E4M3_MAX, to_fp8
 
 
@@ -37,28 +37,3 @@ def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def input_scale(amax: float) -> torch.Tensor:
     """The per-tensor activation scale (fp32 scalar) for a calibrated ``amax``."""
     return _scale(torch.tensor(float(amax)))
-
-
-@torch.no_grad()
-def calibrate_input_amax(
-    hf_model, token_batches: list[list[int]], batch_size: int
-) -> dict[str, float]:
-    """``{"model.layers.{i}.{path}": max |input|}`` over the calibration set."""
-    amax: dict[str, float] = {}
-    handles = []
-    for i, layer in enumerate(decoder_layers(hf_model)):
-        for path in LINEARS:
-            name = f"model.layers.{i}.{path}"
-
-            def hook(module, args, name=name):
-                amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
-
-            handles.append(linear(layer, path).register_forward_pre_hook(hook))
-    try:
-        ids = torch.tensor(token_batches, dtype=torch.long)
-        for chunk in ids.split(batch_size):
-            hf_model(input_ids=chunk, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return amax

@@ -54,7 +54,6 @@ from torch import nn
 from trtc.compiler.quantize import rtn
 from trtc.compiler.quantize.layers import (
     INPUT_GROUPS,
-    LINEARS,
     LayerInputs,
     capture_inputs,
     linear,
@@ -68,8 +67,8 @@ SHRINK_STEPS = 79
 class Hessian:
     """Running ``H = 2 X^T X / M`` over calibration batches."""
 
-    def __init__(self, in_features: int):
-        self.h = torch.zeros(in_features, in_features, dtype=torch.float32)
+    def __init__(self, in_features: int, device: torch.device | str = "cpu"):
+        self.h = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.count = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -81,14 +80,23 @@ class Hessian:
     def value(self) -> torch.Tensor:
         return self.h * (2.0 / max(self.count, 1))
 
+    def take(self) -> torch.Tensor:
+        """`value`, computed in the accumulator's memory (which this object then gives up):
+        one ``K x K`` matrix less."""
+        h, self.h = self.h, None
+        return h.mul_(2.0 / max(self.count, 1))
 
-def _upper_cholesky_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^-1``; more damping if H is not positive definite."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+
+def _upper_cholesky_inverse(damped: Callable[[float], torch.Tensor], damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, ``damped(d)`` giving a new ``H + d I``;
+    more damping if H is not positive definite. Besides H, two ``K x K`` matrices at most are
+    alive at once (the damped H and its factor, the factor and the inverse, the inverse and its
+    factor): at K = 14336 (an 8B model's down_proj) each is 822 MB."""
     for attempt in range(6):
-        lower, info = torch.linalg.cholesky_ex(h + damp * (10**attempt) * eye)
+        lower, info = torch.linalg.cholesky_ex(damped(damp * (10**attempt)))
         if info == 0:
             hinv = torch.cholesky_inverse(lower)
+            del lower
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if info == 0:
                 return u
@@ -99,19 +107,30 @@ def _upper_cholesky_inverse(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 def _prepare(weight: torch.Tensor, hessian: torch.Tensor, act_order: bool, percdamp: float):
     """Dead columns, column order, damping: ``(w fp32 [N, K], perm, upper Cholesky of H^-1)``
-    with w and the factor in processing order."""
+    with w and the factor in processing order. ``hessian`` is left as it is."""
     w = weight.detach().float().clone()
-    h = hessian.detach().float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
+    diag = torch.diag(hessian).float()
+    dead = diag == 0
+    diag[dead] = 1.0  # H_jj = 1 for a dead column (its weight is 0)
     w[:, dead] = 0.0
     if act_order:
-        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        perm = torch.argsort(diag, descending=True, stable=True)
     else:
-        perm = torch.arange(w.shape[1])
-    w, h = w[:, perm], h[perm][:, perm]
-    damp = percdamp * torch.mean(torch.diag(h)).item()
-    return w, perm, _upper_cholesky_inverse(h, damp)
+        perm = torch.arange(w.shape[1], device=w.device)
+    w = w[:, perm]
+    dead = dead[perm]
+
+    def damped(d: float) -> torch.Tensor:
+        # The permuted H in one gather, dead columns' H_jj = 1, then + d I on the diagonal.
+        h = hessian.float()[perm[:, None], perm[None, :]]
+        h.add_(0.0)  # x + 0.0 is x but for -0.0, as when d I is added as a matrix
+        diagonal = h.diagonal()
+        diagonal[dead] = 1.0
+        diagonal.add_(d)
+        return h
+
+    damp = percdamp * torch.mean(diag[perm]).item()
+    return w, perm, _upper_cholesky_inverse(damped, damp)
 
 
 def _error_feedback(
@@ -165,8 +184,8 @@ def gptq_quantize(
     diag = torch.diag(hessian).float()
     # diag(H) per column, padded like the weights: the range search's column weights.
     h_diag = rtn.pad_to_groups(diag, group_size).reshape(num_groups, group_size)
-    scales = torch.zeros(n, num_groups)
-    zeros = torch.zeros(n, num_groups)
+    scales = torch.zeros(n, num_groups, device=weight.device)
+    zeros = torch.zeros(n, num_groups, device=weight.device)
     if act_order:  # static groups, from the unmodified weights
         w0 = weight.detach().float().clone()
         w0[:, diag == 0] = 0.0
@@ -174,9 +193,10 @@ def gptq_quantize(
         scales[:], zeros[:] = rtn.group_params(
             w0.reshape(n, num_groups, group_size), shrink_steps, column_weights=h_diag
         )
+        del w0
     w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
     group_of = (perm // group_size).tolist()  # group of each processed column
-    q = torch.zeros(n, k)
+    q = torch.zeros(n, k, device=weight.device)
 
     def round_column(col: int, i: int, w_blk: torch.Tensor) -> torch.Tensor:
         g = group_of[col]
@@ -216,7 +236,7 @@ def gptq_fp8(
 
     _, scale = quantize_weight_fp8(weight)
     w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
-    out = torch.zeros(w.shape)  # E4M3 values, held in fp32 (exact) while filling
+    out = torch.zeros(w.shape, device=w.device)  # E4M3 values, held in fp32 (exact) while filling
 
     def round_column(col: int, i: int, w_blk: torch.Tensor) -> torch.Tensor:
         out[:, col] = to_fp8(w_blk[:, i] / scale).float()
@@ -231,28 +251,25 @@ def gptq_layer(
     layer: nn.Module,
     inputs: LayerInputs,
     quantize: Callable[[str, torch.Tensor, torch.Tensor], tuple[tuple, torch.Tensor]],
-) -> tuple[dict[str, tuple], list[torch.Tensor]]:
+) -> dict[str, tuple]:
     """Quantize one decoder layer's seven Linears sequentially with
     ``quantize(path, weight, hessian) -> (quantized tensors, dequantized weight)``.
-    Returns ``({path: quantized tensors}, the layer's outputs computed with its quantized
-    weights)``: the next layer's calibration inputs. The fp weights are restored on return."""
-    originals = {p: linear(layer, p).weight.detach().clone() for p in LINEARS}
+    Returns ``{path: quantized tensors}``. The layer is left holding the dequantized weights,
+    and ``inputs`` advanced through it (`run_layer`): the next layer's calibration inputs,
+    computed with this layer's quantized weights."""
     result = {}
-    try:
-        for paths in INPUT_GROUPS:
-            hessian = Hessian(linear(layer, paths[0]).in_features)
-            capture_inputs(layer, inputs, paths[:1], lambda _, x, acc=hessian: acc.add(x))
-            h = hessian.value
-            for path in paths:
-                lin = linear(layer, path)
-                result[path], dequantized = quantize(path, lin.weight, h)
-                # Later groups (and the next layer) calibrate on the quantized function.
-                lin.weight.copy_(dequantized)
-        outputs = run_layer(layer, inputs)
-    finally:
-        for p, w in originals.items():
-            linear(layer, p).weight.copy_(w)
-    return result, outputs
+    for paths in INPUT_GROUPS:
+        first = linear(layer, paths[0])
+        hessian = Hessian(first.in_features, first.weight.device)
+        capture_inputs(layer, inputs, paths[:1], lambda _, x, acc=hessian: acc.add(x))
+        h = hessian.take()
+        for path in paths:
+            lin = linear(layer, path)
+            result[path], dequantized = quantize(path, lin.weight, h)
+            # Later groups (and the next layer) calibrate on the quantized function.
+            lin.weight.copy_(dequantized)
+    run_layer(layer, inputs)
+    return result
 
 
 def int4_quantizer(group_size: int, **options):

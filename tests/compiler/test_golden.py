@@ -7,12 +7,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from conftest import TINY_NAMES
 from harness.golden import run_scenario
 from trtc.artifact import read_manifest
 from trtc.compiler.tiny import tiny_model
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+@pytest.mark.parametrize("name", TINY_NAMES)
 def test_tiny_models_match_transformers(tiny_artifacts, name):
     artifact = tiny_artifacts[name]
     hf = tiny_model(name, seed=0)
@@ -28,6 +29,15 @@ def test_tiny_models_match_transformers(tiny_artifacts, name):
         assert m.model.qkv_bias and "model.layers.0.self_attn.qkv_proj.bias" in open(
             artifact / "model.onnx", "rb"
         ).read().decode("latin1")
+    if name == "tiny-qwen3":
+        # Per-head q/k norms (weights not all ones, q's and k's apart), a head_dim that is not
+        # hidden / heads, GQA, tied embeddings, no Q/K/V bias.
+        assert m.model.qk_norm and not m.model.qkv_bias
+        assert m.model.head_dim == 32 != m.model.hidden_size // m.model.num_heads
+        assert m.model.num_kv_heads < m.model.num_heads and m.model.tie_word_embeddings
+        attn = hf.model.layers[0].self_attn
+        assert not torch.equal(attn.q_norm.weight, attn.k_norm.weight)
+        assert not torch.equal(attn.q_norm.weight, torch.ones_like(attn.q_norm.weight))
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from harness.quantize_models import CALIB, outlier_model
 from trtc.compiler.quantize import fp8 as fp8_mod
 from trtc.compiler.quantize import gptq, quantize_model, rtn
 from trtc.compiler.quantize.calibration import (
@@ -21,22 +22,10 @@ from trtc.compiler.quantize.layers import LINEARS
 from trtc.compiler.tiny import byte_tokenizer, tiny_model
 from trtc.plugins.int4_gemm import unpack_int4
 
-CALIB = dict(calibration_path=None, num_samples=4, seq_len=64)
-
 
 @pytest.fixture(scope="module")
 def tok():
     return byte_tokenizer()
-
-
-def outlier_model(name: str, seed: int = 0):
-    """A tiny model with a few large-activation channels, as real LLMs have (AWQ's premise)."""
-    model = tiny_model(name, seed)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight[torch.arange(0, norm.weight.numel(), 16)] *= 8.0
-    return model
 
 
 def linear_inputs(model, tok, path: str | None = None, num_samples=4, seq_len=64) -> dict:

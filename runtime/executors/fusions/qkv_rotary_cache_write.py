@@ -3,7 +3,9 @@
 by ``PagedAttentionCached`` (the plugin's attention over a cache that already holds the new
 tokens). Two rotary kernels, the copies of the strided q/k/v slices and the plugin's own
 cache-write kernel collapse into one. A pattern that does not match exactly (other readers of an
-intermediate, other attributes) is left as it is."""
+intermediate, other attributes) is left as it is: so is a Qwen3 layer, whose per-head q/k
+RMSNorm sits between the Split and the rotary (the Split's only reader must be the Unsqueeze),
+since the kernel does not compute that norm."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
+from conftest import TINY_NAMES
 from harness.onnx_reference import OnnxReferenceRunner
 from harness.optional_trt import needs_trt, trt
 from harness.rtx_check import MAX_SEQ_LEN, assert_matches_paged_graph, kv_cache_update, load
@@ -21,7 +22,7 @@ from trtc.errors import BuildError, ConfigError
 BLOCK_SIZE = 16
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+@pytest.mark.parametrize("name", TINY_NAMES)
 def test_lowered_graph_matches_paged_graph(tiny_artifacts, name):
     artifact = tiny_artifacts[name]
     model, manifest = load(artifact)
@@ -137,6 +138,23 @@ def test_tiny_engines_build_for_sm86_and_sm89(tiny_engines):
         assert r["aliases"] == c.aliases()
         assert r["profile"]["input_ids"] == {"min": [1, 1], "opt": [8, 1], "max": [8, MAX_SEQ_LEN]}
         assert r["profile"]["k_cache.0"]["max"] == [8, 2, MAX_SEQ_LEN, 16]
+    assert not [line for line in lines if "error" in line], lines
+
+
+@needs_trt
+def test_qk_norm_model_builds_an_engine(tiny_artifacts, tmp_path):
+    """tiny-qwen3: the parser takes its per-head RMSNormalization over [T, heads, D] (the
+    lowering leaves it as it is, as the other norms)."""
+    from trtc.compiler.backends.tensorrt_rtx import build_rtx_engines
+
+    model, manifest = load(tiny_artifacts["tiny-qwen3"])
+    lowered = lower_for_rtx(model, manifest, MAX_SEQ_LEN)
+    assert sum(n.op_type == "RMSNormalization" for n in lowered.graph.node) == 4 * 2 + 1
+    lines: list[str] = []
+    (record,) = build_rtx_engines(
+        lowered, tmp_path, ["sm86"], manifest.limits, manifest.precision, log=lines.append
+    )
+    assert (tmp_path / record["file"]).stat().st_size == record["bytes"] > 0
     assert not [line for line in lines if "error" in line], lines
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TINY_NAMES
 from harness.golden import greedy_continuation
 from harness.onnx_reference import OnnxReferenceRunner
 from trtc.artifact import Artifact
@@ -23,7 +24,7 @@ from trtc.runtime.engine import LLM, EngineConfig, LLMEngine, RequestError
 from trtc.runtime.executors.torch_executor import TorchExecutor
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+@pytest.mark.parametrize("name", TINY_NAMES)
 def test_offline_generate_matches_transformers_greedy(tiny_artifacts, name):
     hf = tiny_model(name, seed=0)
     gen = torch.Generator().manual_seed(3)

@@ -60,6 +60,38 @@ def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
     torch.testing.assert_close(fused.kv_pool.cpu(), plain.kv_pool.cpu(), atol=1e-5, rtol=1e-5)
 
 
+def test_qk_norm_layers_keep_their_rotary_and_cache_write(tiny_artifacts):
+    """Qwen3 normalises q and k per head between the Split and the rotary embedding, which
+    `QKVRotaryCacheWrite` does not compute: those layers keep the plain nodes (and the plugin's
+    own cache write) and give the same logits and cache; the other fusions still apply."""
+    art = tiny_artifacts["tiny-qwen3"]
+    plain, fused = (
+        TorchExecutor(Artifact.open(art), 16, DEVICE),
+        FusedExecutor(Artifact.open(art), 16, DEVICE),
+    )
+    assert fused.fusions == {
+        "qkv_rotary_cache_write": 0,
+        "add_rms_norm": 3,
+        "gemm_swiglu": 2,
+        "int4_fragment": 0,
+    }
+    assert len(fused.nodes) == len(plain.nodes) - 3 - 2
+    op_of = {fn: op for op, fn in FusedExecutor.ops.items()}
+    ops = [op_of[n[0]] for n in fused.nodes]
+    assert ops.count(("trtc", "PagedAttention")) == 2 and ops.count(("", "RotaryEmbedding")) == 4
+    # No Add feeds the per-head norms (q and k of 2 layers), the first layer's input norm (it
+    # reads the embedding) or the final one (the logits rows): they stay RMSNormalization.
+    assert ops.count(("", "RMSNormalization")) == 4 + 2
+    prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
+    steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
+    steps += [
+        [SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)
+    ]
+    for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.kv_pool.cpu(), plain.kv_pool.cpu(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_int4_fp16(tmp_path_factory):
     """tiny-llama in fp16 with INT4 (RTN, group 64) Linears: q/k/v, o and gate/up (K = 64) take
