@@ -344,7 +344,8 @@ def build(
             mb = manifest.graph.weight_bytes["total"] / 1e6
             done["detail"] = f"{mb:.1f} MB of weights"
         if cfg.backend.name == "tensorrt-rtx":
-            # From what was written: saving moved the weights out of `proto` into model.onnx.data.
+            # The graph and its weights read back from what was written (`proto` holds none):
+            # TensorRT-RTX builds with the weights in memory.
             written = onnx.load(str(staging / MODEL_FILE))
             manifest.engines = build_rtx(written, manifest, cfg, staging, progress)
         if cfg.backend.name == "tensorrt":
@@ -359,7 +360,7 @@ def build(
         writer.write_manifest(staging, manifest)
         progress.log(
             f"built {out_dir} in {time.perf_counter() - started:.1f}s, peak resident memory "
-            f"{gb(progress.peak_bytes)} ({gb(loaded.weights.nbytes)} of weights read)"
+            f"{gb(progress.peak_bytes)} ({gb(loaded.weights.nbytes)} of weights in the checkpoint)"
         )
         (staging / BUILD_LOG).write_text(progress.text())
     return out_dir

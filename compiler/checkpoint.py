@@ -14,7 +14,7 @@ tensor then costs its own bytes, not its shard's.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,9 +66,6 @@ class WeightSource:
 
     def __contains__(self, name: str) -> bool:
         return name in self.info()
-
-    def names(self) -> Iterable[str]:
-        return self.info().keys()
 
     @property
     def nbytes(self) -> int:

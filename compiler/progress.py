@@ -35,7 +35,7 @@ class Progress:
         """For the manifest: peak resident bytes in all and per stage."""
         return {
             "peak_rss_bytes": self.peak_bytes,
-            "measured": "exact (VmHWM per stage)" if self.meter.exact else "sampled every 20 ms",
+            "measured": self.meter.how,
             "stages": dict(self.stage_peaks),
         }
 

@@ -192,7 +192,8 @@ def safetensors_header(
 
     Laid out as the safetensors library lays it out, so the file is byte for byte the one
     ``safetensors.torch.save_file(..., metadata={"format": "pt"})`` writes: metadata first,
-    tensors sorted by name (the library sorts by dtype, then name; here there is one dtype)."""
+    tensors sorted by name (the library sorts by alignment, the dtype's size, then name; here
+    there is one dtype)."""
     order = sorted(shapes)
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0

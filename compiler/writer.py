@@ -94,6 +94,7 @@ def staging_dir(
         for p in reversed(created):
             shutil.rmtree(p, ignore_errors=True)
         raise ConfigError(f"output: cannot write to {output}: {e.strerror or e}") from None
+    old = None
     try:
         yield staging
         if output.exists():
@@ -104,6 +105,10 @@ def staging_dir(
         else:
             os.replace(staging, output)
     except BaseException:
+        if old is not None and (old / "artifact").exists() and not output.exists():
+            os.replace(old / "artifact", output)  # the swap failed half way: put it back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
         for p in reversed(created):
             shutil.rmtree(p, ignore_errors=True)
@@ -131,10 +136,11 @@ def save_onnx(
     instead of reading gigabytes back)."""
     recipes = recipes or {}
     initializers = list(model.graph.initializer)
-    total = sum(
+    sizes = (
         recipes[w].nbytes if (w := weight_id(t)) in recipes else len(t.raw_data)
         for t in initializers
     )
+    total = sum(n for n in sizes if n >= _EXTERNAL_THRESHOLD)  # what goes to the data file
     last_report = time.monotonic()
     digest = hashlib.sha256()
     with open(directory / WEIGHTS_FILE, "wb") as data:

@@ -387,7 +387,6 @@ def run_layers(
     partial_groups: bool = False,
     fp8_error_feedback: bool = True,
     kv_cache_scales: bool = False,
-    head_dim: int | None = None,
     store: LayerStore | None = None,
     say: Callable[[str], None] = lambda _msg: None,
     on_layer: Callable[[int, nn.Module], None] | None = None,
@@ -395,10 +394,10 @@ def run_layers(
     """Stream the calibration windows ``token_batches`` through ``stack`` layer by layer:
     quantize each layer's Linears with ``method`` (a calibrated one; `rtn` and `none`
     quantize nothing here) into ``store``, and with ``kv_cache_scales`` take the KV-cache amax
-    (heads of ``head_dim``, default the model's). ``on_layer(i, layer)`` sees each layer once
+    (over the model's heads). ``on_layer(i, layer)`` sees each layer once
     done (AWQ: folded), before it is dropped."""
     n = stack.num_layers
-    head_dim = head_dim or stack.head_dim
+    head_dim = stack.head_dim
     fp8_feedback = method == "fp8" and fp8_error_feedback
     inputs = stack.calibration_inputs(token_batches, batch_size)
     # The streams (see the module docstring) share layer 0's inputs until they part.
