@@ -15,6 +15,19 @@ SUPPORTED_ARCHITECTURES = (
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
+def hf_skeleton(config, dtype=None):
+    """transformers' model for ``config`` on the meta device: its modules, parameter names and
+    shapes without allocating or initialising a weight. Built from a copy of the config
+    (``from_config`` records its attention implementation on the config it is given)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+
+
 def check_supported(config) -> str:
     """The config's architecture, or a BuildError listing what is supported."""
     archs = list(getattr(config, "architectures", None) or [])

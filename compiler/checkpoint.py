@@ -17,27 +17,30 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trtc.errors import BuildError
+
+if TYPE_CHECKING:
+    import torch
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
-# safetensors' dtype names -> torch dtypes (the ones checkpoints of supported models use).
+# safetensors' dtype names -> torch dtype names (the ones checkpoints of supported models use).
+# Names, not torch objects: the checkpoint writer shares them and must import without torch.
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 
 
@@ -100,6 +103,8 @@ class SafetensorsCheckpoint(WeightSource):
     """A Hugging Face checkpoint directory of safetensors files."""
 
     def __init__(self, directory: Path):
+        import torch
+
         self.directory = Path(directory)
         index = self.directory / SAFETENSORS_INDEX
         if index.is_file():
@@ -130,7 +135,7 @@ class SafetensorsCheckpoint(WeightSource):
                     )
                 self.files[name] = path
                 self._info[name] = TensorInfo(
-                    tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]]
+                    tuple(entry["shape"]), getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]])
                 )
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.files))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtc.compiler.architectures import ModelGeometry
+from trtc.compiler.architectures import ModelGeometry, hf_skeleton
 from trtc.plugins.fp8_gemm import Fp8Linear
 from trtc.plugins.int4_gemm import Int4Linear
 from trtc.plugins.int4_gemm.reference import num_groups
@@ -175,15 +175,6 @@ class StepModel(nn.Module):
         )
         logits = F.linear(x, head).float()
         return (logits, *new_caches)
-
-
-def hf_skeleton(config):
-    """transformers' model for ``config`` on the meta device: its module classes (rotary
-    embedding, decoder layer) without allocating a weight."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
 
 
 def rope_tables(config, max_seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trtc.compiler.checkpoint import SAFETENSORS_DTYPES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from trtc.compiler.memory import gb
 from trtc.compiler.tiny import TINY_MODELS, byte_tokenizer, tiny_config
 from trtc.errors import ConfigError
 
@@ -62,12 +64,10 @@ GEOMETRIES = {
     ),
 }
 
-# dtype name -> (torch dtype attribute, safetensors dtype, bytes per element)
-DTYPES = {
-    "bf16": ("bfloat16", "BF16", 2),
-    "fp16": ("float16", "F16", 2),
-    "fp32": ("float32", "F32", 4),
-}
+# dtype name -> (torch dtype attribute, bytes per element)
+DTYPES = {"bf16": ("bfloat16", 2), "fp16": ("float16", 2), "fp32": ("float32", 4)}
+# torch dtype attribute -> safetensors dtype name (checkpoint.py reads them back by this table)
+_SAFETENSORS_NAME = {torch_name: st for st, torch_name in SAFETENSORS_DTYPES.items()}
 
 # huggingface_hub's default shard size: Llama-3-8B in bf16 is four shards, as published.
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -78,8 +78,6 @@ WEIGHT_STD = 0.02
 # part of what the values are, so it is a constant, not a tuning knob.
 PIECE_ELEMENTS = 1 << 24
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -128,7 +126,7 @@ def parse_size(text: str) -> int:
 
 def format_size(n: int) -> str:
     """'16.06 GB', '2.2 MB': decimal units, as `parse_size` reads them."""
-    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
+    return gb(n)
 
 
 def _torch_dtype(dtype: str):
@@ -148,12 +146,11 @@ def saved_tensors(config) -> tuple[dict[str, tuple[int, ...]], int]:
 
     Read from the model built on the meta device (no memory): non-persistent buffers are not in
     the state dict, and of tied weights only the name transformers keeps remains."""
-    import torch
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    from trtc.compiler.architectures import hf_skeleton
+
+    model = hf_skeleton(config)
     state = model.state_dict()
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
@@ -179,7 +176,7 @@ def plan_shards(sizes: dict[str, int], max_bytes: int) -> dict[str, list[str]]:
     if current:
         shards.append(current)
     if len(shards) == 1:
-        return {SINGLE_FILE: shards[0]}
+        return {SAFETENSORS_SINGLE: shards[0]}
     n = len(shards)
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": names for i, names in enumerate(shards)}
 
@@ -298,7 +295,8 @@ def _check_free_space(staging: Path, needed: int) -> None:
 def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str, seed: int) -> int:
     import torch
 
-    _, st_dtype, itemsize = DTYPES[dtype]
+    torch_name, itemsize = DTYPES[dtype]
+    st_dtype = _SAFETENSORS_NAME[torch_name]
     header, order = safetensors_header(shapes, st_dtype, itemsize)
     # One piece is written (a thread, the GIL released) while the next is drawn: drawing and
     # writing take about as long each.
@@ -342,7 +340,7 @@ def write_random_checkpoint(
     config = checkpoint_config(name)
     config.dtype = torch_dtype
     shapes, parameters = saved_tensors(config)
-    sizes = {tensor: DTYPES[dtype][2] * math.prod(shape) for tensor, shape in shapes.items()}
+    sizes = {tensor: DTYPES[dtype][1] * math.prod(shape) for tensor, shape in shapes.items()}
     shards = plan_shards(sizes, shard_bytes)
     weight_bytes = sum(sizes.values())
 
@@ -368,7 +366,9 @@ def write_random_checkpoint(
                 "weight_map": {t: filename for filename, names in shards.items() for t in names},
             }
             # json.dumps as transformers' save_pretrained calls it, so the index is identical.
-            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            (staging / SAFETENSORS_INDEX).write_text(
+                json.dumps(index, indent=2, sort_keys=True) + "\n"
+            )
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
         total = sum((staging / f).stat().st_size for f in files)
 

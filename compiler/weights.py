@@ -67,14 +67,6 @@ class LazyWeight(LazyValues):
             entry = self.tensor.external_data.add()
             entry.key, entry.value = key, value
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
     def materialize(self) -> torch.Tensor:
         t = self._produce()
         if tuple(t.shape) != self.shape or t.dtype != self.torch_dtype:

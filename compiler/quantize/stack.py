@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trtc.compiler.architectures import hf_skeleton
 from trtc.compiler.checkpoint import WeightSource
 from trtc.compiler.quantize.layers import (
     LAYERS_PREFIX,
@@ -86,13 +87,9 @@ class DecoderStack:
     ``source`` one layer at a time (state-dict names), built on ``device``."""
 
     def __init__(self, config, source: WeightSource, device: torch.device | str = "cpu"):
-        from transformers import AutoModelForCausalLM
-
         self.source = source
         self.device = torch.device(device)
-        # A copy: from_config records its attention implementation on the config it is given.
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+        skeleton = hf_skeleton(config, dtype=torch.float32)
         self.skeleton = skeleton.eval()
         self.config = skeleton.config
         self.meta_layers = list(decoder_layers(skeleton))

@@ -84,7 +84,7 @@ def test_same_files_as_save_pretrained(tmp_path, name, dtype, small_pieces):
 def test_sharding_and_index(tmp_path):
     shard = 50_000
     r = rc.write_random_checkpoint("tiny-qwen2", tmp_path / "ckpt", "fp32", shard_bytes=shard)
-    index = json.loads((r.path / rc.INDEX_FILE).read_text())
+    index = json.loads((r.path / rc.SAFETENSORS_INDEX).read_text())
     shapes, parameters = rc.saved_tensors(rc.checkpoint_config("tiny-qwen2"))
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 5 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
@@ -97,14 +97,14 @@ def test_sharding_and_index(tmp_path):
             assert keys == sorted(k for k, v in index["weight_map"].items() if v == f)
             data = sum(torch.Size(st.get_slice(k).get_shape()).numel() * 4 for k in keys)
             assert data <= shard or len(keys) == 1
-    assert not (r.path / rc.SINGLE_FILE).exists()
+    assert not (r.path / rc.SAFETENSORS_SINGLE).exists()
     assert set(r.files) == {p.name for p in r.path.iterdir()}
     assert r.bytes == sum(p.stat().st_size for p in r.path.iterdir())
 
 
 def test_one_file_when_it_fits(tmp_path):
     r = rc.write_random_checkpoint("tiny-llama", tmp_path / "ckpt", "fp16")
-    assert sorted(p.name for p in r.path.glob("model*")) == [rc.SINGLE_FILE]
+    assert sorted(p.name for p in r.path.glob("model*")) == [rc.SAFETENSORS_SINGLE]
     assert json.loads((r.path / "config.json").read_text())["dtype"] == "float16"
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(r.files)
 
@@ -115,7 +115,7 @@ def test_same_seed_same_bytes_any_sharding(tmp_path):
     c = rc.write_random_checkpoint("tiny-llama", tmp_path / "c", seed=1).path
     d = rc.write_random_checkpoint("tiny-llama", tmp_path / "d", seed=2, shard_bytes=30_000).path
     assert weight_files(a) == weight_files(b)
-    assert (a / rc.INDEX_FILE).read_bytes() == (b / rc.INDEX_FILE).read_bytes()
+    assert (a / rc.SAFETENSORS_INDEX).read_bytes() == (b / rc.SAFETENSORS_INDEX).read_bytes()
     wa, wc, wd = read_weights(a), read_weights(c), read_weights(d)
     assert all(torch.equal(wa[k], wc[k]) for k in wa)  # one file or several: the same values
     matrices = [k for k in wa if wa[k].ndim == 2]
