@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import platform
 import re
 import shutil
 import time
 from collections import Counter
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import onnx
@@ -17,10 +19,18 @@ import trtc
 from trtc import contract
 from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest
 from trtc.compiler import writer
+from trtc.compiler.architectures import geometry_from_config
 from trtc.compiler.config import BuildConfig
 from trtc.compiler.export import export_onnx
 from trtc.compiler.memory import gb
 from trtc.compiler.model import step_skeleton
+from trtc.compiler.parallel import (
+    check_tensor_parallel,
+    layout_record,
+    rank_geometry,
+    rank_shard,
+    tensor_slice,
+)
 from trtc.compiler.passes.pipeline import check_report, fusion_report, run_passes
 from trtc.compiler.progress import Progress
 from trtc.compiler.source import LoadedSource, load_hf_config, load_source, max_seq_len
@@ -115,7 +125,9 @@ def kv_cache_record(cfg: BuildConfig, g, kv_scales: dict | None = None) -> dict:
     return record
 
 
-def graph_record(model: onnx.ModelProto) -> dict:
+def graph_record(model: onnx.ModelProto, ranks: int = 1) -> dict:
+    """Nodes, opsets and weight bytes of one graph (one rank's, in a tensor-parallel
+    artifact: the ranks' graphs have the same nodes and sizes)."""
     ops = Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
     weight_bytes = Counter()
     for init in model.graph.initializer:
@@ -136,9 +148,10 @@ def graph_record(model: onnx.ModelProto) -> dict:
             else "constants"
         )
         weight_bytes[kind] += size
+    prefix = "" if ranks == 1 else "rank0/"
     return {
-        "file": MODEL_FILE,
-        "weights_file": WEIGHTS_FILE,
+        "file": prefix + MODEL_FILE,
+        "weights_file": prefix + WEIGHTS_FILE,
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
         "functions": [f"{f.domain}::{f.name}" for f in model.functions],
         "num_nodes": len(model.graph.node),
@@ -260,6 +273,13 @@ def build(
             hf_config = load_hf_config(cfg)
             done["detail"] = f"{type(hf_config).__name__.replace('Config', '')}"
         check_group_size(cfg, hf_config)
+        ranks = cfg.parallel.tensor
+        check_tensor_parallel(
+            ranks,
+            geometry_from_config(hf_config),
+            cfg.quantization.method,
+            cfg.quantization.group_size,
+        )
         with progress.stage("load", f"opening the {cfg.model.source} checkpoint") as done:
             loaded = load_source(cfg)
             g = loaded.geometry
@@ -271,78 +291,101 @@ def build(
             )
         dtype = contract.TORCH_DTYPES[cfg.precision]
         quantized, kv_scales = _quantize(cfg, loaded, staging, progress)
+        g_rank = rank_geometry(g, ranks)
         with progress.stage("export", "exporting the step graph to ONNX (torch dynamo)") as done:
             skeleton = step_skeleton(
                 loaded.config,
-                g,
+                g_rank,
                 seq_len,
                 dtype,
                 quantized,
                 None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])),
+                world_size=ranks,
             )
-            plan = plan_weights(skeleton, loaded.weights, dtype, quantized)
-            proto = export_onnx(skeleton, cfg.kv_dtype, cfg.kv_cache.block_size)
-            del skeleton
-            done["detail"] = f"{len(proto.graph.node)} nodes, {len(plan)} weights (not read yet)"
-        proto, results, recipes = run_passes(
-            proto,
-            g,
-            cfg.precision,
-            stage=lambda name: progress.stage(f"pass {name}", "running"),
-            weights=plan,
+            exported = export_onnx(skeleton, cfg.kv_dtype, cfg.kv_cache.block_size)
+            done["detail"] = f"{len(exported.graph.node)} nodes" + (
+                f", one graph for each of {ranks} ranks" if ranks > 1 else ""
+            )
+        # Each rank: the same graph, its own weights (the rank's slice of each tensor).
+        hashes: dict[str, str] = {}
+        for rank in range(ranks):
+            suffix = f" (rank {rank})" if ranks > 1 else ""
+            shard = None
+            if ranks > 1:
+                shard = partial(
+                    tensor_slice,
+                    shard=rank_shard(g, ranks, rank),
+                    g=g,
+                    group_size=cfg.quantization.group_size,
+                )
+            plan = plan_weights(skeleton, loaded.weights, dtype, quantized, shard)
+            proto, results, recipes = run_passes(
+                exported if rank == ranks - 1 else copy.deepcopy(exported),
+                g_rank,
+                cfg.precision,
+                stage=lambda name, suffix=suffix: progress.stage(f"pass {name}{suffix}", "running"),
+                weights=plan,
+            )
+            del plan
+            report = fusion_report(results, g.num_layers)
+            problems = check_report(report, g.num_layers)
+            if problems:
+                raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
+            directory = staging
+            if ranks > 1:
+                directory = staging / f"rank{rank}"
+                directory.mkdir()
+            with progress.stage(f"write{suffix}", "converting and writing the weights") as done:
+                digests = writer.save_onnx(proto, directory, recipes, log=progress.update)
+                prefix = "" if ranks == 1 else f"rank{rank}/"
+                hashes.update({prefix + name: digest for name, digest in digests.items()})
+                del recipes
+                mb = graph_record(proto)["weight_bytes"]["total"] / 1e6
+                done["detail"] = f"{mb:.1f} MB of weights"
+        del skeleton, exported
+        shutil.rmtree(staging / QUANTIZE_SPILL, ignore_errors=True)
+        loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
+        manifest = Manifest(
+            trtc_version=trtc.__version__,
+            name=cfg.artifact_name,
+            created=created,
+            source=loaded.source,
+            model=g,
+            precision=cfg.precision,
+            limits={
+                "max_num_tokens": cfg.limits.max_num_tokens,
+                "max_num_seqs": cfg.limits.max_num_seqs,
+                "max_seq_len": seq_len,
+            },
+            kv_cache=kv_cache_record(cfg, g_rank, kv_scales),
+            quantization=quantized.record() if quantized else {"method": "none"},
+            io=contract.io_manifest(
+                g.num_layers,
+                g_rank.num_kv_heads,
+                g.head_dim,
+                cfg.kv_cache.block_size,
+                cfg.kv_dtype,
+                g.vocab_size,
+            ),
+            plugins=plugin_records(proto),
+            fusions=report,
+            graph=graph_record(proto, ranks),
+            parallel=layout_record(g, ranks),
+            tokenizer={
+                "dir": "tokenizer",
+                "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+                "eos_token_id": loaded.tokenizer.eos_token_id,
+                "bos_token_id": loaded.tokenizer.bos_token_id,
+            },
+            build={
+                "config": cfg.model_dump(mode="json"),
+                "versions": {
+                    "torch": torch.__version__,
+                    "onnx": onnx.__version__,
+                    "python": platform.python_version(),
+                },
+            },
         )
-        del plan
-        report = fusion_report(results, g.num_layers)
-        problems = check_report(report, g.num_layers)
-        if problems:
-            raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
-        with progress.stage("write", "converting and writing the weights") as done:
-            hashes = writer.save_onnx(proto, staging, recipes, log=progress.update)
-            del recipes
-            shutil.rmtree(staging / QUANTIZE_SPILL, ignore_errors=True)
-            loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
-            manifest = Manifest(
-                trtc_version=trtc.__version__,
-                name=cfg.artifact_name,
-                created=created,
-                source=loaded.source,
-                model=g,
-                precision=cfg.precision,
-                limits={
-                    "max_num_tokens": cfg.limits.max_num_tokens,
-                    "max_num_seqs": cfg.limits.max_num_seqs,
-                    "max_seq_len": seq_len,
-                },
-                kv_cache=kv_cache_record(cfg, g, kv_scales),
-                quantization=quantized.record() if quantized else {"method": "none"},
-                io=contract.io_manifest(
-                    g.num_layers,
-                    g.num_kv_heads,
-                    g.head_dim,
-                    cfg.kv_cache.block_size,
-                    cfg.kv_dtype,
-                    g.vocab_size,
-                ),
-                plugins=plugin_records(proto),
-                fusions=report,
-                graph=graph_record(proto),
-                tokenizer={
-                    "dir": "tokenizer",
-                    "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
-                    "eos_token_id": loaded.tokenizer.eos_token_id,
-                    "bos_token_id": loaded.tokenizer.bos_token_id,
-                },
-                build={
-                    "config": cfg.model_dump(mode="json"),
-                    "versions": {
-                        "torch": torch.__version__,
-                        "onnx": onnx.__version__,
-                        "python": platform.python_version(),
-                    },
-                },
-            )
-            mb = manifest.graph.weight_bytes["total"] / 1e6
-            done["detail"] = f"{mb:.1f} MB of weights"
         if cfg.backend.name == "tensorrt-rtx":
             # The graph and its weights read back from what was written (`proto` holds none):
             # TensorRT-RTX builds with the weights in memory.

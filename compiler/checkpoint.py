@@ -67,6 +67,11 @@ class WeightSource:
         """A tensor of its stored dtype that the caller owns (no view of a shared buffer)."""
         raise NotImplementedError
 
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``read(name)[..., start:stop, ...]`` along ``dim`` (a tensor-parallel rank's part),
+        reading no more of the tensor than a source can avoid."""
+        return self.read(name).narrow(dim, start, stop - start).clone()
+
     def __contains__(self, name: str) -> bool:
         return name in self.info()
 
@@ -158,3 +163,12 @@ class SafetensorsCheckpoint(WeightSource):
         with safe_open(self.files[name], framework="pt") as f:
             # get_tensor copies out of the mapping; the mapping closes with the handle.
             return f.get_tensor(name)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            # Only the slice's bytes are copied out of the mapping.
+            index = [slice(None)] * len(self._info[name].shape)
+            index[dim] = slice(start, stop)
+            return f.get_slice(name)[tuple(index)]

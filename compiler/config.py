@@ -184,6 +184,16 @@ class BackendSection(Section):
         return v
 
 
+class ParallelSection(Section):
+    tensor: Literal[1, 2, 4, 8] = Field(
+        1,
+        description="tensor-parallel ranks: the artifact holds one graph per rank (q/k/v and "
+        "gate/up split by output features, o_proj and down_proj by input features and summed "
+        "by trtc::AllReduce); query heads and intermediate_size must divide by it, KV heads "
+        "divide by it or are replicated across ranks",
+    )
+
+
 class BuildConfig(Section):
     name: str | None = Field(
         None, description="artifact and served model name (default: from the source)"
@@ -194,6 +204,7 @@ class BuildConfig(Section):
     limits: LimitsSection = LimitsSection()
     quantization: QuantizationSection = QuantizationSection()
     backend: BackendSection = BackendSection()
+    parallel: ParallelSection = ParallelSection()
     output: str | None = Field(None, description="artifact directory (default builds/<name>)")
 
     @model_validator(mode="after")
@@ -216,6 +227,18 @@ class BuildConfig(Section):
             raise ValueError(
                 "kv_cache.dtype: fp8 is not available with backend tensorrt-rtx (its native "
                 "KV-cache update has no scaled FP8 form); use fp16/bf16, or backend none/tensorrt"
+            )
+        if self.parallel.tensor > 1 and self.backend.name == "tensorrt-rtx":
+            raise ValueError(
+                f"parallel.tensor: {self.parallel.tensor} ranks need an all-reduce between "
+                "them, which TensorRT-RTX cannot run (it takes no custom plugins); use backend "
+                "none (the artifact's rank graphs run on the CUDA executor), or "
+                "parallel.tensor: 1"
+            )
+        if self.parallel.tensor > 1 and self.backend.name == "tensorrt":
+            raise ValueError(
+                "parallel.tensor: per-rank full-TensorRT engines are not built yet; use "
+                "backend none (the rank graphs run on the CUDA executor), or parallel.tensor: 1"
             )
         fmt = quantization_format(self.quantization.method)
         profiles = architecture_profiles()

@@ -15,6 +15,10 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _span(bounds: list[int]) -> str:
+    return f"{bounds[0]}..{bounds[1] - 1}"
+
+
 def inspect_artifact(
     directory: str | Path, console: Console | None = None, verify: bool = True
 ) -> Manifest:
@@ -48,15 +52,31 @@ def inspect_artifact(
         f"{lim.max_num_tokens} tokens/step, {lim.max_num_seqs} sequences, "
         f"context {lim.max_seq_len}",
     )
+    per_rank = " per rank" if m.parallel.tensor > 1 else ""
     overview.add_row(
         "KV cache",
         f"{kv.layout}, block {kv.block_size} tokens, {kv.dtype}, pool "
-        f"{kv.pool_shape}; {kv.bytes_per_token:,} bytes/token, "
-        f"{kv.bytes_per_block:,} bytes/block",
+        f"{kv.pool_shape}{per_rank}; {kv.bytes_per_token:,} bytes/token, "
+        f"{kv.bytes_per_block:,} bytes/block{per_rank}",
     )
+    if m.parallel.tensor > 1:
+        p = m.parallel
+        overview.add_row(
+            "parallel",
+            f"tensor {p.tensor} (rank{{i}}/model.onnx): column-parallel "
+            f"{', '.join(p.column_parallel)}; row-parallel {', '.join(p.row_parallel)} + "
+            f"AllReduce; replicated {', '.join(p.replicated)}"
+            + ("; KV heads replicated" if p.kv_heads_replicated else ""),
+        )
+        for rank, shard in enumerate(p.ranks):
+            overview.add_row(
+                "",
+                f"rank {rank}: query heads {_span(shard['heads'])}, KV heads "
+                f"{_span(shard['kv_heads'])}, intermediate {_span(shard['intermediate'])}",
+            )
     wb = graph.weight_bytes
     overview.add_row(
-        "weights",
+        "weights" + per_rank,
         f"{_mb(wb['total'])} ("
         + ", ".join(f"{k} {_mb(v)}" for k, v in wb.items() if k != "total")
         + ")",

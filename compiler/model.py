@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtc.compiler.architectures import ModelGeometry, hf_skeleton
+from trtc.plugins.all_reduce import all_reduce
 from trtc.plugins.fp8_gemm import Fp8Linear
 from trtc.plugins.int4_gemm import Int4Linear
 from trtc.plugins.int4_gemm.reference import num_groups
@@ -46,10 +47,20 @@ def apply_rotary(
     return rotated.view(tokens, -1)
 
 
+def row_parallel(linear: nn.Module, x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``linear(x)`` for a projection split by input features over ``world_size`` ranks: this
+    rank's partial product, summed over the ranks by `trtc::AllReduce`, which adds the bias
+    once (see `compiler/parallel.py`). One rank: the Linear as it is."""
+    if world_size == 1:
+        return linear(x)
+    partial = F.linear(x, linear.weight) if isinstance(linear, nn.Linear) else linear(x, False)
+    return all_reduce(partial, linear.bias, world_size=world_size)
+
+
 class Attention(nn.Module):
-    def __init__(self, g: ModelGeometry, sliding_window: int):
+    def __init__(self, g: ModelGeometry, sliding_window: int, world_size: int = 1):
         super().__init__()
-        self.g, self.sliding_window = g, sliding_window
+        self.g, self.sliding_window, self.world_size = g, sliding_window, world_size
         self.kv_scales = (1.0, 1.0)  # (k_scale, v_scale): set for an FP8 KV cache
         self.q_proj = nn.Linear(g.hidden_size, g.num_heads * g.head_dim, bias=g.qkv_bias)
         self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=g.qkv_bias)
@@ -92,27 +103,29 @@ class Attention(nn.Module):
             k_scale=self.kv_scales[0],
             v_scale=self.kv_scales[1],
         )
-        return self.o_proj(out), kv_cache
+        return row_parallel(self.o_proj, out, self.world_size), kv_cache
 
 
 class MLP(nn.Module):
-    def __init__(self, g: ModelGeometry):
+    def __init__(self, g: ModelGeometry, world_size: int = 1):
         super().__init__()
+        self.world_size = world_size
         self.gate_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=g.mlp_bias)
         self.up_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=g.mlp_bias)
         self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=g.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return row_parallel(self.down_proj, hidden, self.world_size)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, g: ModelGeometry, layer: int):
+    def __init__(self, g: ModelGeometry, layer: int, world_size: int = 1):
         super().__init__()
         self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
-        self.self_attn = Attention(g, g.sliding_windows[layer])
+        self.self_attn = Attention(g, g.sliding_windows[layer], world_size)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
-        self.mlp = MLP(g)
+        self.mlp = MLP(g, world_size)
 
     def forward(self, x, cos, sin, kv_cache, step):
         attn, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, step)
@@ -122,21 +135,32 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, g: ModelGeometry):
+    def __init__(self, g: ModelGeometry, world_size: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(g.vocab_size, g.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(g, i) for i in range(g.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(g, i, world_size) for i in range(g.num_layers))
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
 
 
 class StepModel(nn.Module):
     """``forward(input_ids, positions, slot_mapping, block_tables, context_lens,
-    query_start_loc, logits_indices, *kv_caches) -> (logits[S, vocab] fp32, *kv_caches)``."""
+    query_start_loc, logits_indices, *kv_caches) -> (logits[S, vocab] fp32, *kv_caches)``.
 
-    def __init__(self, g: ModelGeometry, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    With ``world_size`` > 1 it is one tensor-parallel rank's graph: ``g`` is the rank's
+    geometry (`compiler.parallel.rank_geometry`) and the row-parallel projections end in
+    `trtc::AllReduce`; the logits are whole on every rank (replicated LM head)."""
+
+    def __init__(
+        self,
+        g: ModelGeometry,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        world_size: int = 1,
+    ):
         super().__init__()
         self.geometry = g
-        self.model = Backbone(g)
+        self.world_size = world_size
+        self.model = Backbone(g, world_size)
         if not g.tie_word_embeddings:
             self.lm_head = nn.Linear(g.hidden_size, g.vocab_size, bias=False)
         # [max_seq_len, head_dim/2], in the model dtype (transformers casts them likewise).
@@ -197,17 +221,19 @@ def step_skeleton(
     dtype: torch.dtype,
     quantized=None,
     kv_scales: list[tuple[float, float]] | None = None,
+    world_size: int = 1,
 ) -> StepModel:
     """The step model with fake tensors for weights (shapes and dtypes, no storage): what the
     exporter traces. ``quantized`` (a `QuantizationResult`) swaps the projections it holds for
     the plugin Linear modules, with empty tensors of the shapes they will have; ``kv_scales``
-    gives each layer's (k_scale, v_scale) for an FP8 KV cache. Only the rotary tables are real.
+    gives each layer's (k_scale, v_scale) for an FP8 KV cache; ``world_size`` > 1 makes it one
+    tensor-parallel rank's graph (``g`` the rank's geometry). Only the rotary tables are real.
     The weights themselves come later, from `compiler.weights.plan_weights`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cos, sin = rope_tables(config, max_seq_len, dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = StepModel(g, cos, sin)
+        model = StepModel(g, cos, sin, world_size)
         for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 # Made in the build precision directly: Module.to cannot convert fake

@@ -175,13 +175,32 @@ def plan_weights(
     source: WeightSource,
     dtype: torch.dtype,
     quantized=None,
+    shard: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> dict[str, LazyWeight]:
     """The recipe of every parameter and buffer of ``skeleton`` (the step model on fake
     tensors) that comes from the checkpoint: names as transformers', so a tensor is the
     source's of the same name, cast to ``dtype`` (as ``model.to(dtype)`` would), or, under a
     quantized Linear, its plugin module's tensor (`QuantizationResult.linears`; scales and
     biases follow the model dtype as the module's ``to`` decides). ``quantized.overrides``
-    replace source tensors the quantization changed (AWQ's folded norms)."""
+    replace source tensors the quantization changed (AWQ's folded norms).
+
+    ``shard(name) -> (dim, start, stop) | None`` makes it one tensor-parallel rank's plan
+    (`compiler.parallel.tensor_slice`): each recipe produces the rank's part of its tensor,
+    reading only that part from a checkpoint."""
+
+    def part(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        where = shard(name) if shard is not None else None
+        if where is None:
+            return tensor
+        dim, start, stop = where
+        return tensor.narrow(dim, start, stop - start)
+
+    def read(name: str) -> torch.Tensor:
+        where = shard(name) if shard is not None else None
+        if where is None:
+            return source.read(name).to(dtype)
+        return source.read_slice(name, *where).to(dtype)
+
     overrides = getattr(quantized, "overrides", None) or {}
     linears = quantized.linears if quantized is not None else {}
 
@@ -198,11 +217,13 @@ def plan_weights(
         prefix, _, leaf = name.rpartition(".")
         if prefix in linears:
             plan[name] = LazyWeight(
-                t.shape, t.dtype, lambda p=prefix, leaf=leaf: module_tensor(p, leaf)
+                t.shape,
+                t.dtype,
+                lambda p=prefix, leaf=leaf, n=name: part(n, module_tensor(p, leaf)),
             )
         elif name in overrides:
             plan[name] = LazyWeight(
-                t.shape, t.dtype, lambda n=name: overrides[n].detach().to(dtype)
+                t.shape, t.dtype, lambda n=name: part(n, overrides[n].detach().to(dtype))
             )
         else:
             info = source.info().get(name)
@@ -212,12 +233,18 @@ def plan_weights(
                     f"{skeleton.geometry.architecture} "
                     "layout needs (is it a checkpoint of this architecture?)"
                 )
-            if info.shape != tuple(t.shape):
+            expected = list(t.shape)
+            where = shard(name) if shard is not None else None
+            if where is not None:  # a rank's part of the whole tensor the checkpoint holds
+                dim, start, stop = where
+                if len(info.shape) > dim and stop <= info.shape[dim]:
+                    expected[dim] = info.shape[dim]
+            if list(info.shape) != expected:
                 raise BuildError(
                     f"checkpoint tensor {name} has shape {list(info.shape)}, the config "
-                    f"implies {list(t.shape)} (config.json and weights disagree)"
+                    f"implies {expected} (config.json and weights disagree)"
                 )
-            plan[name] = LazyWeight(t.shape, t.dtype, lambda n=name: source.read(n).to(dtype))
+            plan[name] = LazyWeight(t.shape, t.dtype, lambda n=name: read(n))
     return plan
 
 

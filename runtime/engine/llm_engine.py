@@ -269,6 +269,13 @@ class LLMEngine:
             self.generators.pop(seq.request_id, None)
         return self.output_processor.output(seq)
 
+    def close(self) -> None:
+        """Release what the executor holds outside this process (a tensor-parallel
+        executor's worker processes); the engine takes no steps afterwards."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
     # --- state ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot for metrics, health checks and benchmarks."""

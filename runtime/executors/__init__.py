@@ -25,6 +25,8 @@ def create_executor(
 
     if name not in EXECUTORS:
         raise ArtifactError(f"unknown executor {name!r} (choose from {', '.join(EXECUTORS)})")
+    if artifact.manifest.parallel.tensor > 1:
+        return _tensor_parallel(name, artifact, num_blocks)
     if name in ("auto", "tensorrt"):
         engine, reasons = choose_engine(artifact.manifest)
         if engine is not None:
@@ -54,3 +56,25 @@ def create_executor(
     from trtc.runtime.executors.torch_executor import TorchExecutor
 
     return TorchExecutor(artifact, num_blocks or 1024, device)
+
+
+def _tensor_parallel(name: str, artifact: Artifact, num_blocks: int | None) -> Executor:
+    """A tensor-parallel artifact: its ranks on the CUDA executor (a GPU each) or the torch
+    executor (CPU, gloo)."""
+    import torch
+
+    from trtc.runtime.distributed.executor import TensorParallelExecutor
+
+    if name == "tensorrt":
+        raise ArtifactError(
+            f"executor 'tensorrt': {artifact.path} is split over "
+            f"{artifact.manifest.parallel.tensor} tensor-parallel ranks and has no engines; "
+            "use the cuda or torch executor"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "torch"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ArtifactError(
+            "executor 'cuda' needs a CUDA GPU and a CUDA build of torch; none is present"
+        )
+    return TensorParallelExecutor(artifact, name, num_blocks)

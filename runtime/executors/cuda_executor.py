@@ -55,6 +55,7 @@ class CudaExecutor(TorchExecutor):
         use_cuda_graphs: bool = True,
         fuse_kernels: bool = True,
         int4_fragments: bool | None = None,
+        rank: int = 0,
     ):
         self.fuse_kernels = fuse_kernels
         # The INT4 Linears held in the fragment layout instead of the plugin's
@@ -66,13 +67,8 @@ class CudaExecutor(TorchExecutor):
         self.fusions: dict[str, int] = {}
         manifest = artifact.manifest
         if num_blocks is None:
-            weight_bytes = manifest.graph.weight_bytes["total"]
-            if self.int4_fragments:
-                weight_bytes += int4_fragment_bytes(manifest)
-            num_blocks = blocks_for_memory(
-                manifest, memory_fraction, torch.device(device), weight_bytes
-            )
-        super().__init__(artifact, num_blocks, device)
+            num_blocks = self.pool_blocks(manifest, device, memory_fraction, self.int4_fragments)
+        super().__init__(artifact, num_blocks, device, rank)
         limits = manifest.limits
         self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
         top = min(max_graph_batch or limits.max_num_seqs, limits.max_num_seqs)
@@ -82,6 +78,20 @@ class CudaExecutor(TorchExecutor):
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         if use_cuda_graphs:
             self.capture_graphs()
+
+    @staticmethod
+    def pool_blocks(
+        manifest: Manifest,
+        device: str | torch.device = "cuda",
+        memory_fraction: float = 0.9,
+        int4_fragments: bool = True,
+    ) -> int:
+        """The KV blocks a pool on ``device`` gets by default: what ``memory_fraction`` of
+        the GPU holds after the weights (and their fragment-layout copies)."""
+        weight_bytes = manifest.graph.weight_bytes["total"]
+        if int4_fragments:
+            weight_bytes += int4_fragment_bytes(manifest)
+        return blocks_for_memory(manifest, memory_fraction, torch.device(device), weight_bytes)
 
     def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
         """Fewer, fused kernels (`fusions/`); ``fuse_kernels=False`` runs the graph as

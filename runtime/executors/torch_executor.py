@@ -46,12 +46,16 @@ class TorchExecutor:
     # graph adds the ops of its rewrites).
     ops: OpTable = ONNX_OPS
 
-    def __init__(self, artifact: Artifact, num_blocks: int, device: str = "cpu"):
+    def __init__(self, artifact: Artifact, num_blocks: int, device: str = "cpu", rank: int = 0):
+        """``rank``: which tensor-parallel rank's graph to run (its AllReduce nodes sum over
+        the group `trtc.plugins.all_reduce.use_group` set); 0 for a one-graph artifact."""
         self.artifact = artifact
         self.manifest = artifact.manifest  # read on every load and by benchmarks
-        artifact.verify([MODEL_FILE, WEIGHTS_FILE])
+        self.rank = rank
+        files = [self.manifest.rank_file(name, rank) for name in (MODEL_FILE, WEIGHTS_FILE)]
+        artifact.verify(files)
         self.device = torch.device(device)
-        model = onnx.load(str(artifact.file(MODEL_FILE)))
+        model = onnx.load(str(artifact.file(files[0])))
         self._load_graph(model)
         kv = self.manifest.kv_cache
         self.block_size = kv.block_size

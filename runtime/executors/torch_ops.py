@@ -149,6 +149,12 @@ def _fp8_gemm(x, attrs):
     return [fp8_gemm(*x, in_features=attrs["in_features"], out_features=attrs["out_features"])]
 
 
+def _all_reduce(x, attrs):
+    from trtc.plugins.all_reduce import all_reduce
+
+    return [all_reduce(*x, world_size=attrs["world_size"])]
+
+
 ONNX_OPS: OpTable = {
     ("", "Gemm"): gemm,
     ("", "MatMul"): lambda x, a: [x[0] @ x[1]],
@@ -167,4 +173,5 @@ ONNX_OPS: OpTable = {
     ("trtc", "PagedAttention"): _paged_attention,
     ("trtc", "Int4Gemm"): _int4_gemm,
     ("trtc", "Fp8Gemm"): _fp8_gemm,
+    ("trtc", "AllReduce"): _all_reduce,
 }

@@ -184,6 +184,7 @@ async def _lifespan(app: FastAPI):
     )
     yield
     state.async_engine.stop()
+    state.engine.close()
 
 
 def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int = 256) -> FastAPI:

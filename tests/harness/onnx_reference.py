@@ -19,11 +19,14 @@ NUMPY_KV = {"fp32": np.float32}
 
 
 class OnnxReferenceRunner:
-    def __init__(self, artifact_dir: str | Path, num_blocks: int):
+    def __init__(self, artifact_dir: str | Path, num_blocks: int, rank: int = 0):
+        """``rank``: the tensor-parallel rank whose graph runs (its AllReduce nodes sum over
+        the group `trtc.plugins.all_reduce.use_group` set in this process)."""
         from harness.onnxruntime_ops import session
 
         artifact = Artifact.open(artifact_dir)
-        artifact.verify([MODEL_FILE, WEIGHTS_FILE])
+        files = [artifact.manifest.rank_file(f, rank) for f in (MODEL_FILE, WEIGHTS_FILE)]
+        artifact.verify(files)
         self.manifest = artifact.manifest
         kv = self.manifest.kv_cache
         if kv.dtype not in NUMPY_KV or self.manifest.precision != "fp32":
@@ -32,7 +35,7 @@ class OnnxReferenceRunner:
                 f"{self.manifest.precision} with a {kv.dtype} KV cache"
             )
         self.block_size = kv.block_size
-        self.session = session(str(artifact.file(MODEL_FILE)))
+        self.session = session(str(artifact.file(files[0])))
         shape = (2, num_blocks, self.block_size, kv.num_kv_heads, kv.head_dim)
         self.kv = {
             kv_input_name(i): np.zeros(shape, NUMPY_KV[kv.dtype]) for i in range(kv.num_layers)

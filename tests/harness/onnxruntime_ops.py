@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from trtc.contract import STEP_INPUTS
+from trtc.plugins.all_reduce import SPEC as ALL_REDUCE
+from trtc.plugins.all_reduce import all_reduce
 from trtc.plugins.paged_attention import SPEC as PAGED_ATTENTION
 from trtc.plugins.paged_attention.reference import paged_attention
 
@@ -43,6 +45,17 @@ def _register() -> str:
             for n, x in zip(PAGED_ATTENTION.inputs, inputs, strict=True)
         ]
         return tuple(t.numpy() for t in paged_attention(*tensors, **attrs))
+
+    # One signature: the node without its optional bias (no tiny model has o_proj or
+    # down_proj biases). Sums over the group this process joined.
+    @onnx_op(
+        op_type=ALL_REDUCE.qualified_name,
+        inputs=[T.dt_float],
+        outputs=[T.dt_float],
+        attrs={k: attr_types[t] for k, t in ALL_REDUCE.attributes.items()},
+    )
+    def _all_reduce(x, **attrs):
+        return all_reduce(torch.from_numpy(np.array(x, copy=True)), **attrs).numpy()
 
     return get_library_path()
 

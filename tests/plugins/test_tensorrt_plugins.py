@@ -36,6 +36,7 @@ ATTRS = {  # valid attributes per plugin, some at float32-exact values, some not
     ),
     "Int4Gemm": dict(group_size=32, in_features=64, out_features=48),
     "Fp8Gemm": dict(in_features=64, out_features=40),
+    "AllReduce": dict(world_size=2),
 }
 
 
@@ -378,6 +379,29 @@ def test_run_plugin_fills_outputs_and_updates_the_cache_in_place():
     torch.testing.assert_close(
         y, rules.entry_point(spec)(*inputs, **ATTRS["Int4Gemm"]), rtol=0, atol=0
     )
+
+
+def test_run_plugin_all_reduce_sums_over_the_group_and_adds_the_bias_once(tmp_path):
+    import torch.distributed as dist
+
+    from trtc.plugins.all_reduce import use_group
+
+    spec = PLUGINS["AllReduce"]
+    x, bias, y = torch.randn(3, 8), torch.randn(8), torch.empty(3, 8)
+    with pytest.raises(RuntimeError, match="joined no tensor-parallel group"):
+        run_plugin(spec, {"world_size": 1}, [x], [y])
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        use_group(dist.group.WORLD)
+        run_plugin(spec, {"world_size": 1}, [x, bias], [y])  # one rank: the sum is x
+        torch.testing.assert_close(y, x + bias, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="over 2 ranks, but the process group has 1"):
+            run_plugin(spec, ATTRS["AllReduce"], [x], [y])
+    finally:
+        use_group(None)
+        dist.destroy_process_group()
 
 
 # --- the engine build, where it can run ---------------------------------------------------------

@@ -1,0 +1,110 @@
+"""Who this process is among the tensor-parallel ranks, and the process groups they share.
+
+Two groups, as vLLM keeps them: the *device group* (NCCL on GPUs, gloo on CPU) carries the
+graphs' all-reduces and nothing else; the *control group* (always gloo, on host tensors) carries
+each step's inputs from the driver (rank 0, where the scheduler runs) to the workers. The
+control group waits without limit, since an idle server's workers wait there for the next
+step; the device group gives up after ``TRTC_DISTRIBUTED_TIMEOUT`` seconds.
+
+Ranks find each other through torch.distributed's TCP store at ``MASTER_ADDR:MASTER_PORT``:
+the variables torchrun sets are honoured (`RankEnv.from_environ`), and a driver that spawns
+its own workers picks a free port on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from trtc import envs
+from trtc.errors import ArtifactError
+
+# The control group's timeout: an idle server waits for requests for as long as it runs.
+_WAIT_FOREVER = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """One rank's place in the group and the rendezvous address."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> RankEnv | None:
+        """The rank torchrun (or any launcher setting its variables) gave this process, or
+        None when the process was not launched that way."""
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            return None
+        try:
+            return cls(
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+                master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(os.environ.get("MASTER_PORT", "29500")),
+            )
+        except ValueError as e:
+            raise ArtifactError(
+                f"RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT must be integers ({e})"
+            ) from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Groups:
+    device: object  # torch.distributed ProcessGroup: the graphs' all-reduces
+    control: object  # gloo: step inputs from the driver
+
+
+def device_for(env: RankEnv, on_gpu: bool) -> torch.device:
+    return torch.device(f"cuda:{env.local_rank}") if on_gpu else torch.device("cpu")
+
+
+def check_devices(world_size: int, on_gpu: bool) -> None:
+    """Refuse, before anything is loaded, more ranks than this host has GPUs."""
+    if on_gpu and torch.cuda.device_count() < world_size:
+        raise ArtifactError(
+            f"the artifact is split over {world_size} tensor-parallel ranks, one GPU each, "
+            f"and this host has {torch.cuda.device_count()} visible GPU(s); run it on a host "
+            f"with {world_size} GPUs (or CUDA_VISIBLE_DEVICES listing them), or rebuild with "
+            "parallel.tensor matching the GPUs"
+        )
+
+
+def init_groups(env: RankEnv, on_gpu: bool) -> Groups:
+    """Join the rendezvous as ``env.rank`` and make both groups (blocks until every rank has
+    joined)."""
+    import torch.distributed as dist
+
+    if on_gpu:
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        backend="nccl" if on_gpu else "gloo",
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=envs.TRTC_DISTRIBUTED_TIMEOUT),
+        **({"device_id": torch.device(f"cuda:{env.local_rank}")} if on_gpu else {}),
+    )
+    control = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER)
+    return Groups(device=dist.group.WORLD, control=control)
+
+
+def destroy_groups() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
