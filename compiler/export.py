@@ -33,14 +33,16 @@ ONNX_DTYPES = {
 
 
 def example_step(block_size: int) -> tuple[StepInputs, int]:
-    """Three sequences (a prefill chunk after cached context, a fresh prefill, a decode token),
-    sizes chosen so no dimension is 0 or 1 (torch.export would specialise on those).
+    """Three sequences (a prefill chunk after cached context verifying two drafts, a fresh
+    prefill, a decode token), sizes chosen so no dimension is 0 or 1 (torch.export would
+    specialise on those) and the logits rows (5) differ from the sequences (3).
     Returns the step and the number of KV blocks it uses."""
-    shapes = [([5, 6, 7], block_size + 1), ([8, 9], 0), ([10], block_size * 2)]
+    shapes = [([5, 6, 7], block_size + 1, 3), ([8, 9], 0, 1), ([10], block_size * 2, 1)]
     work, next_block = [], 0
-    for tokens, cached in shapes:
+    for tokens, cached, logits in shapes:
         n = max(2, -(-(cached + len(tokens)) // block_size))
-        work.append(SequenceWork(tokens, cached, list(range(next_block, next_block + n))))
+        blocks = list(range(next_block, next_block + n))
+        work.append(SequenceWork(tokens, cached, blocks, logits))
         next_block += n
     return make_step(work, block_size), next_block
 
@@ -48,6 +50,7 @@ def example_step(block_size: int) -> tuple[StepInputs, int]:
 def _dynamic_shapes(num_layers: int):
     tokens = Dim(contract.NUM_TOKENS, min=2, max=1 << 20)
     seqs = Dim(contract.NUM_SEQS, min=2, max=1 << 16)
+    logits = Dim(contract.NUM_LOGITS, min=2, max=1 << 20)
     blocks_per_seq = Dim(contract.MAX_BLOCKS, min=2, max=1 << 20)
     blocks = Dim(contract.NUM_BLOCKS, min=2, max=1 << 30)
     per_input = {
@@ -57,7 +60,7 @@ def _dynamic_shapes(num_layers: int):
         "block_tables": {0: seqs, 1: blocks_per_seq},
         "context_lens": {0: seqs},
         "query_start_loc": {0: seqs + 1},
-        "logits_indices": {0: seqs},
+        "logits_indices": {0: logits},
     }
     return tuple(per_input[n] for n in contract.STEP_INPUTS) + (({1: blocks},) * num_layers,)
 

@@ -144,7 +144,8 @@ class Backbone(nn.Module):
 
 class StepModel(nn.Module):
     """``forward(input_ids, positions, slot_mapping, block_tables, context_lens,
-    query_start_loc, logits_indices, *kv_caches) -> (logits[S, vocab] fp32, *kv_caches)``.
+    query_start_loc, logits_indices, *kv_caches) -> (logits[L, vocab] fp32, *kv_caches)``,
+    one row of logits per entry of ``logits_indices``.
 
     With ``world_size`` > 1 it is one tensor-parallel rank's graph: ``g`` is the rank's
     geometry (`compiler.parallel.rank_geometry`) and the row-parallel projections end in

@@ -117,6 +117,7 @@ def run_engine(
     next_arrival = start
     peak_kv_blocks = 0
     stats = engine.stats()
+    spec_before = stats.counters
 
     def admit(req: BenchRequest, now: float):
         rid = engine.add_request(None, _params(req), prompt_ids=req.prompt_ids)
@@ -158,6 +159,16 @@ def run_engine(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
     result["peak_kv_mb"] = peak_kv_blocks * engine.manifest.kv_cache.bytes_per_block / 2**20
+    c = engine.stats().counters
+    verifications = c.spec_verifications - spec_before.spec_verifications
+    if verifications:
+        accepted = c.spec_accepted_tokens - spec_before.spec_accepted_tokens
+        result["spec"] = {
+            "proposed_tokens": c.spec_proposed_tokens - spec_before.spec_proposed_tokens,
+            "accepted_tokens": accepted,
+            "verifications": verifications,
+            "mean_accepted_length": 1 + accepted / verifications,
+        }
     return result
 
 

@@ -111,6 +111,9 @@ def _engine_config(
     max_num_batched_tokens,
     no_prefix_caching,
     no_async_scheduling=False,
+    speculative=None,
+    speculative_tokens=4,
+    speculative_max_batch=8,
 ):
     from trtc.runtime.engine import EngineConfig
 
@@ -122,7 +125,29 @@ def _engine_config(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=not no_prefix_caching,
         async_scheduling=False if no_async_scheduling else None,
+        speculative=speculative,
+        speculative_tokens=speculative_tokens,
+        speculative_max_batch=speculative_max_batch,
     )
+
+
+SPECULATIVE = typer.Option(
+    None,
+    "--speculative",
+    help="speculative decoding: 'ngram' (propose what followed the latest n-gram in the "
+    "sequence) or 'draft:DIR' (a smaller trtc artifact with the same tokenizer drafts); the "
+    "target verifies the drafts in one step, keeping its output distribution exactly",
+)
+SPECULATIVE_TOKENS = typer.Option(
+    4, "--speculative-tokens", min=1, help="drafts verified per sequence and step, at most"
+)
+SPECULATIVE_MAX_BATCH = typer.Option(
+    8,
+    "--speculative-max-batch",
+    min=0,
+    help="speculate only while at most this many sequences run (beyond, verification costs "
+    "more than it saves)",
+)
 
 
 ASYNC_HELP = (
@@ -177,6 +202,9 @@ def serve(
         False, "--no-prefix-caching", help="do not reuse KV blocks of shared prompt prefixes"
     ),
     no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
+    speculative: str | None = SPECULATIVE,
+    speculative_tokens: int = SPECULATIVE_TOKENS,
+    speculative_max_batch: int = SPECULATIVE_MAX_BATCH,
 ):
     """Serve an artifact over an OpenAI-compatible HTTP API: /v1/completions,
     /v1/chat/completions (SSE streaming with "stream": true), /v1/models, /health, /metrics.
@@ -203,9 +231,12 @@ def serve(
                 max_num_batched_tokens,
                 no_prefix_caching,
                 no_async_scheduling,
+                speculative,
+                speculative_tokens,
+                speculative_max_batch,
             ),
         )
-    except TrtcError as e:
+    except (TrtcError, ValueError) as e:
         _fail(e)
     run_server(engine, host, port, api_key or envs.TRTC_API_KEY, max_pending)
 
@@ -221,6 +252,8 @@ def generate(
     seed: int | None = typer.Option(None, help="seed for reproducible sampling"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template"),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
+    speculative: str | None = SPECULATIVE,
+    speculative_tokens: int = SPECULATIVE_TOKENS,
 ):
     """Generate one completion and stream it to the terminal."""
     from trtc.runtime.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
@@ -230,7 +263,13 @@ def generate(
     try:
         engine = LLMEngine(
             artifact,
-            EngineConfig(executor=executor.value, kv_cache_memory=256 << 20, max_num_seqs=1),
+            EngineConfig(
+                executor=executor.value,
+                kv_cache_memory=256 << 20,
+                max_num_seqs=1,
+                speculative=speculative,
+                speculative_tokens=speculative_tokens,
+            ),
         )
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
@@ -243,7 +282,7 @@ def generate(
             )
         else:
             engine.add_request(prompt, params)
-    except (TrtcError, RequestError) as e:
+    except (TrtcError, RequestError, ValueError) as e:
         _fail(e)
     out = None
     try:
@@ -254,7 +293,14 @@ def generate(
         engine.close()
     print()
     if out is not None:
-        err.print(f"[{len(out.token_ids)} tokens, finish reason: {out.finish_reason}]")
+        counters = engine.counters
+        accepted = (
+            f", {1 + counters.spec_accepted_tokens / counters.spec_verifications:.2f} tokens "
+            "per verifying step"
+            if counters.spec_verifications
+            else ""
+        )
+        err.print(f"[{len(out.token_ids)} tokens, finish reason: {out.finish_reason}{accepted}]")
 
 
 @app.command("eval")
@@ -340,6 +386,9 @@ def bench(
         None, "--api-key", help="API key of the server at --url (default: $TRTC_API_KEY)"
     ),
     no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
+    speculative: str | None = SPECULATIVE,
+    speculative_tokens: int = SPECULATIVE_TOKENS,
+    speculative_max_batch: int = SPECULATIVE_MAX_BATCH,
 ):
     """Replay a request set and report TTFT, TPOT, inter-token and end-to-end latency
     (mean/p50/p90/p99), requests/s, output tokens/s and memory, for in-flight batching and for
@@ -376,6 +425,9 @@ def bench(
                 None,
                 not prefix_caching,
                 no_async_scheduling,
+                speculative,
+                speculative_tokens,
+                speculative_max_batch,
             )
             modes = list(B.MODES) if mode == "both" else [mode]
             results = B.bench_artifact(
@@ -414,6 +466,14 @@ def bench(
         "peak RSS MB",
         *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results],
     )
+    if any(r.get("spec") for r in results):
+        table.add_row(
+            "tokens per verifying step",
+            *[
+                f"{r['spec']['mean_accepted_length']:.2f}" if r.get("spec") else "-"
+                for r in results
+            ],
+        )
     Console().print(table)
     for line in B.comparisons(results):
         Console().print(line)

@@ -2,10 +2,13 @@
 manifest and the runtime executors, and `StepInputs`, one step's inputs as tensors.
 
 One call runs one step of an in-flight batch, flattened along the token axis (as vLLM v1 does):
-``T`` tokens (prefill chunks and decode tokens of ``S`` sequences, back to back) in, one row of
-logits per sequence out. The paged KV pool is ``[layers, 2, num_blocks, block_size, kv_heads,
-head_dim]``; it is bound layer by layer (``kv_cache.{i}`` is ``pool[i]``) and each layer's
-updated cache is an output that aliases its input, so TensorRT updates it in place.
+``T`` tokens (prefill chunks, decode tokens and speculative drafts of ``S`` sequences, back to
+back) in, ``L`` rows of logits out: the rows of the tokens ``logits_indices`` names, in sequence
+order. A sequence usually needs its last token's; one verifying ``k`` drafts needs its last
+``k + 1`` tokens' (each row checks the draft after it), and `trtc eval` asks for every token.
+The paged KV pool is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; it is bound
+layer by layer (``kv_cache.{i}`` is ``pool[i]``) and each layer's updated cache is an output
+that aliases its input, so TensorRT updates it in place.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import torch
 from trtc.artifact import KVCacheLayout
 
 # Symbolic dimensions (the engines' optimisation profiles range over these).
-NUM_TOKENS, NUM_SEQS, MAX_BLOCKS, NUM_BLOCKS = (
+NUM_TOKENS, NUM_SEQS, MAX_BLOCKS, NUM_BLOCKS, NUM_LOGITS = (
     "num_tokens",
     "num_seqs",
     "max_blocks_per_seq",
     "num_blocks",
+    "num_logits",
 )
 
 STEP_INPUTS = {  # name -> (dtype, shape, meaning)
@@ -39,7 +43,12 @@ STEP_INPUTS = {  # name -> (dtype, shape, meaning)
         ("num_seqs_plus_1",),
         "first token of each sequence, and T at the end",
     ),
-    "logits_indices": ("int64", (NUM_SEQS,), "token whose logits each sequence needs (its last)"),
+    "logits_indices": (
+        "int64",
+        (NUM_LOGITS,),
+        "tokens whose logits are needed, in sequence order: a sequence's last, or its last k+1 "
+        "when it verifies k drafts",
+    ),
 }
 
 TORCH_DTYPES = {
@@ -104,7 +113,9 @@ def step_io(
         for i in range(num_layers)
     ]
     outputs = [
-        TensorSpec("logits", "fp32", (NUM_SEQS, vocab_size), "next-token logits per sequence")
+        TensorSpec(
+            "logits", "fp32", (NUM_LOGITS, vocab_size), "next-token logits of each logits_indices"
+        )
     ]
     outputs += [
         TensorSpec(
@@ -132,11 +143,13 @@ def io_manifest(num_layers, num_kv_heads, head_dim, block_size, kv_dtype, vocab_
 @dataclass
 class SequenceWork:
     """One sequence's share of a step: its new tokens, how many tokens it already has cached,
-    and its block table (long enough for ``num_cached + len(new_tokens)`` tokens)."""
+    its block table (long enough for ``num_cached + len(new_tokens)`` tokens), and how many of
+    its last new tokens need logits (1; k+1 when the last k new tokens are drafts to verify)."""
 
     new_tokens: list[int]
     num_cached: int
     block_table: list[int]
+    num_logits: int = 1
 
 
 @dataclass
@@ -170,8 +183,8 @@ class StepInputs:
 
 
 def make_step(work: list[SequenceWork], block_size: int) -> StepInputs:
-    """Flatten per-sequence work into one step's inputs; each sequence's logits are its last
-    token's."""
+    """Flatten per-sequence work into one step's inputs; each sequence's logits rows are its
+    last ``num_logits`` new tokens'."""
     input_ids, positions, slots, starts, context_lens, logits_indices = [], [], [], [0], [], []
     for w in work:
         total = w.num_cached + len(w.new_tokens)
@@ -184,9 +197,14 @@ def make_step(work: list[SequenceWork], block_size: int) -> StepInputs:
             input_ids.append(tok)
             positions.append(pos)
             slots.append(w.block_table[pos // block_size] * block_size + pos % block_size)
+        if not 1 <= w.num_logits <= len(w.new_tokens):
+            raise ValueError(
+                f"{w.num_logits} logits rows asked of a sequence with "
+                f"{len(w.new_tokens)} new tokens"
+            )
         starts.append(len(input_ids))
         context_lens.append(total)
-        logits_indices.append(len(input_ids) - 1)
+        logits_indices.extend(range(len(input_ids) - w.num_logits, len(input_ids)))
     max_blocks = max(len(w.block_table) for w in work)
     tables = [w.block_table + [0] * (max_blocks - len(w.block_table)) for w in work]
     return StepInputs(

@@ -28,6 +28,7 @@ from trtc.compiler.targets import architecture_profiles, check_known, describe_t
 from trtc.contract import (
     MAX_BLOCKS,
     NUM_BLOCKS,
+    NUM_LOGITS,
     NUM_SEQS,
     NUM_TOKENS,
     kv_input_name,
@@ -161,16 +162,10 @@ def paged_profile(
         MAX_BLOCKS: (1, blocks_per_seq, blocks_per_seq),
         NUM_BLOCKS: (1, blocks_per_seq * max_seqs, blocks_per_seq * max_seqs),
     }
+    dims[NUM_LOGITS] = dims[NUM_TOKENS]  # any tokens' logits (`trtc eval` asks for all)
     profile = {}
     for t in io_inputs:
-        shape = [
-            dims[NUM_TOKENS]
-            if t.name == "logits_indices"
-            else dims[d]
-            if isinstance(d, str)
-            else (d, d, d)
-            for d in t.shape
-        ]
+        shape = [dims[d] if isinstance(d, str) else (d, d, d) for d in t.shape]
         profile[t.name] = tuple(tuple(s[k] for s in shape) for k in range(3))
     return profile
 

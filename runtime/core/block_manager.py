@@ -130,15 +130,17 @@ class BlockManager:
         Blocks are released tail first, so a sequence's tail is evicted before its (more often
         shared) beginning."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than held"
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks ``seq`` holds beyond its first ``num_tokens`` tokens (the slots
+        of drafts its verification rejected). They were never registered in the prefix cache:
+        only computed, verified tokens are hashed."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -174,6 +176,15 @@ class BlockManager:
         if block.ref_count == 0:
             del self.free_queue[block_id]
         block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than held"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
 
     def _take_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed

@@ -5,6 +5,11 @@ chunk of a prompt still being prefilled), then waiting sequences are admitted in
 long prompt taking as much of the budget as is left. So one step mixes prefill chunks and decode
 tokens, and a short request never waits for a long one to finish.
 
+A running sequence that carries a proposal (speculative decoding) runs its last token and the
+proposal's drafts in the step, if the budget and the pool allow; otherwise the drafts are
+dropped, never another sequence preempted for them. Its verified tokens are appended by
+``postprocess``, which gives back the slots of rejected drafts.
+
 When the pool has no block left for a running sequence, the most recently admitted sequences are
 preempted: their blocks are freed and they go back to the front of the queue, to be recomputed
 (prompt and generated tokens alike) once there is room. No request fails for lack of cache, because
@@ -14,20 +19,26 @@ preempted: their blocks are freed and they go back to the front of the queue, to
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trtc.contract import SequenceWork
 from trtc.runtime.core.block_manager import BlockManager
 from trtc.runtime.core.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from trtc.runtime.speculative.proposer import Proposal
+
 
 @dataclass
 class ScheduledBatch:
-    """One step: each sequence with how many of its uncomputed tokens it runs (in step order)."""
+    """One step: each sequence with how many tokens it runs (in step order): its uncomputed
+    tokens, then the drafts of its proposal if it has one."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    proposals: list[Proposal | None] = field(default_factory=list)
     # Whether the step reaches the end of the sequence's tokens, so its logits give the next token
     # (False for a prefill chunk that is not the last). Fixed at schedule time.
     samples: list[bool] = field(default_factory=list)
@@ -36,10 +47,20 @@ class ScheduledBatch:
     # samples for row i, which the host has not seen yet (the executor takes it on the device).
     ahead: bool = False
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, proposal: Proposal | None = None) -> None:
+        """``num_new_tokens`` of ``seq``'s uncomputed tokens, and ``proposal``'s drafts."""
         self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens)
+        self.num_new_tokens.append(num_new_tokens + (len(proposal) if proposal else 0))
+        self.proposals.append(proposal)
         self.samples.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+
+    @property
+    def speculative(self) -> bool:
+        return any(self.proposals)
+
+    def num_logits(self, i: int) -> int:
+        """Logits rows of row ``i``: its last token's, and one per draft."""
+        return 1 + (len(self.proposals[i]) if self.proposals[i] else 0)
 
     def __iter__(self) -> Iterator[tuple[Sequence, int]]:
         return iter(zip(self.seqs, self.num_new_tokens))
@@ -57,7 +78,16 @@ class ScheduledBatch:
         the sequence's last known token."""
         if self.ahead:
             return [SequenceWork([0], seq.num_tokens, list(seq.block_table)) for seq in self.seqs]
-        return [seq.to_work(n) for seq, n in self]
+        work = []
+        for seq, n, proposal in zip(self.seqs, self.num_new_tokens, self.proposals):
+            if proposal:
+                w = seq.to_work(n - len(proposal))
+                w.new_tokens += proposal.tokens
+                w.num_logits = 1 + len(proposal)
+            else:
+                w = seq.to_work(n)
+            work.append(w)
+        return work
 
     def has_running(self) -> bool:
         return any(seq.status is SequenceStatus.RUNNING for seq in self.seqs)
@@ -132,6 +162,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, seq.num_uncomputed_tokens, budget)
+            proposal = self._drafts_that_fit(seq, n, budget)
+            if proposal:
+                batch.add(seq, n, proposal)
+                budget -= n + len(proposal)
+                i += 1
+                continue
             while not self.block_manager.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -178,6 +214,7 @@ class Scheduler:
         with it are known in advance, so a step of nothing but those is not scheduled."""
         if (
             self.waiting
+            or batch.speculative
             or len(batch) != len(self.running)
             or len(batch) > self.max_num_batched_tokens
             or not all(batch.samples)
@@ -195,6 +232,15 @@ class Scheduler:
             ahead.samples.append(True)
         return ahead
 
+    def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> Proposal | None:
+        """``seq``'s proposal (taken from it), if the step can run all of its uncomputed tokens
+        and its drafts and the pool has their slots without preempting anyone; else None."""
+        proposal, seq.proposal = seq.proposal, None
+        if not proposal or n != seq.num_uncomputed_tokens or n + len(proposal) > budget:
+            return None
+        need = seq.num_computed_tokens + n + len(proposal)
+        return proposal if self.block_manager.ensure_capacity(seq, need) else None
+
     def _chunk(self, seq: Sequence, num_uncomputed: int, budget: int) -> int:
         n = min(num_uncomputed, budget)
         if self.long_prefill_threshold:
@@ -208,28 +254,49 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(
-        self, batch: ScheduledBatch, sampled_token_ids: list[int | None]
+        self,
+        batch: ScheduledBatch,
+        sampled_token_ids: list[int | list[int] | None],
+        stops_text: Callable[[Sequence], bool] | None = None,
     ) -> list[Sequence]:
-        """Advance the sequences of a step that ran, and append the token sampled for each one
-        whose tokens are now all computed (the entry of any other is ignored and may be None).
-        Returns the sequences that finished; their blocks are already back in the pool."""
+        """Advance the sequences of a step that ran, and append the tokens sampled for each one
+        whose tokens are now all computed (the entry of any other is ignored and may be None):
+        one token, or, for a row that verified drafts, the accepted drafts and the target's
+        token after them. Tokens are appended one at a time, each checked for a stop (EOS, stop
+        token, length, and ``stops_text(seq)``: a stop string its text now completes), so a
+        sequence ends where it would have without drafts. Returns the sequences that finished;
+        their blocks are already back in the pool."""
         if len(sampled_token_ids) != len(batch):
             raise ValueError(
                 f"{len(sampled_token_ids)} sampled tokens for a step of {len(batch)} sequences"
             )
         finished = []
-        for (seq, n), samples, token in zip(batch, batch.samples, sampled_token_ids):
+        for (seq, n), samples, proposal, sampled in zip(
+            batch, batch.samples, batch.proposals, sampled_token_ids
+        ):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished since the step was scheduled
-            seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
+            drafts = len(proposal) if proposal else 0
             if not samples:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_computed_blocks(seq)
                 continue
-            seq.append_token(int(token))
-            reason = self._stop_reason(seq, int(token))
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+            tokens = [int(t) for t in sampled] if isinstance(sampled, list) else [int(sampled)]
+            # K/V of accepted drafts are valid: each was computed on the token now appended.
+            seq.num_computed_tokens += n - drafts + len(tokens) - 1
+            for token in tokens:
+                seq.append_token(token)
+                reason = self._stop_reason(seq, token)
+                if stops_text is not None and stops_text(seq) and reason is None:
+                    reason = "stop"
+                if reason is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_computed_blocks(seq)
+                if drafts:  # the slots of rejected drafts go back to the pool
+                    self.block_manager.trim(seq, seq.num_tokens)
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

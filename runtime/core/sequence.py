@@ -7,8 +7,12 @@ import math
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from trtc.contract import SequenceWork
+
+if TYPE_CHECKING:
+    from trtc.runtime.speculative.proposer import Proposal
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
     ignore_eos: bool = False
     detokenize: bool = True  # False: token ids only (benchmarks), unless stop strings need text
+    speculative: bool = True  # may be verified with drafts when the engine speculates
 
     def __post_init__(self):
         # Lists (as JSON gives them) become tuples, so the params stay hashable and immutable.
@@ -95,6 +100,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Draft tokens to verify in the next step (set by the engine's proposer, taken by the
+        # scheduler when it schedules the sequence).
+        self.proposal: Proposal | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -48,6 +48,12 @@ class EngineConfig:
     # Queue step n+1 on the device before reading step n's tokens (decode steps; see
     # `LLMEngine.step`). None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
     async_scheduling: bool | None = None
+    # Speculative decoding (runtime/speculative): "ngram" or "draft:DIR"; None = off.
+    speculative: str | None = None
+    speculative_tokens: int = 4  # drafts verified per sequence and step, at most
+    # Speculation stops while more sequences than this run: the step is then bound by compute
+    # more than by weight reads, and verifying drafts costs more than the tokens it saves.
+    speculative_max_batch: int = 8
 
 
 class LLMEngine:
@@ -69,7 +75,14 @@ class LLMEngine:
             num_blocks = default_num_blocks(
                 self.manifest, config.kv_cache_memory, config.max_num_seqs or limits.max_num_seqs
             )
+        # A draft model's executor first: on a GPU the target's pool takes what it leaves.
+        self.proposer = self._make_proposer(config)
         self.executor = create_executor(config.executor, self.artifact, num_blocks, config.device)
+        if self.proposer is not None and self.executor.name == "tensorrt":
+            raise ValueError(
+                "speculative decoding needs the logits of several tokens a sequence, which the "
+                "TensorRT engines (one token's a slot) do not give; use the cuda or torch executor"
+            )
         self.block_manager = BlockManager(
             self.executor.num_blocks, self.executor.block_size, config.enable_prefix_caching
         )
@@ -103,6 +116,23 @@ class LLMEngine:
                 f"the {self.executor.name} executor does not (use the cuda or torch executor)"
             )
         return wanted
+
+    def _make_proposer(self, config: EngineConfig):
+        if config.speculative is None:
+            return None
+        from trtc.runtime.speculative import make_proposer
+
+        if config.speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens={config.speculative_tokens}: must be >= 1")
+        on_cpu = config.executor == "auto" and not torch.cuda.is_available()
+        return make_proposer(
+            config.speculative,
+            tokenizer=self.tokenizer,
+            vocab_size=self.manifest.model.vocab_size,
+            executor="torch" if on_cpu else config.executor,
+            max_seqs=max(1, config.speculative_max_batch),
+            kv_cache_memory=config.kv_cache_memory,
+        )
 
     def _generation_eos(self) -> set[int]:
         ids = set()
@@ -187,16 +217,45 @@ class LLMEngine:
         launched, self._ahead = self._ahead, None
         if launched is not None and not launched.batch.has_running():
             launched = None  # every row finished or was aborted since it was queued
+        speculating = self._propose() if launched is None else False
         if launched is None:
             batch = self.scheduler.schedule()
             if not len(batch):
                 return []
             launched = self._launch(batch)
-        if launched.device_tokens is not None:
+        if launched.device_tokens is not None and not speculating:
             ahead = self.scheduler.schedule_ahead(launched.batch)
             if ahead is not None:
                 self._ahead = self._launch(ahead, input_ids=launched.device_tokens)
         return self._complete(launched.batch, launched.tokens())
+
+    def _propose(self) -> bool:
+        """Give running decoders drafts to verify in the next step (`Sequence.proposal`), while
+        few enough run (``speculative_max_batch``); whether speculation is on this step."""
+        running = self.scheduler.running
+        if self.proposer is None or len(running) > self.config.speculative_max_batch:
+            return False
+        decoding = [
+            s
+            for s in running
+            if s.params.speculative and s.num_uncomputed_tokens == 1 and s.num_output_tokens
+        ]
+        if not decoding:
+            return False
+        k = self.config.speculative_tokens
+        # Drafts and the token after them must fit max_tokens and the context.
+        limits = [
+            max(
+                0,
+                min(
+                    k, s.params.max_tokens - s.num_output_tokens - 1, self.max_seq_len - len(s) - 1
+                ),
+            )
+            for s in decoding
+        ]
+        for seq, proposal in zip(decoding, self.proposer.propose(decoding, limits)):
+            seq.proposal = proposal if len(proposal) else None
+        return True
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``batch`` on the executor and start sampling it. An async engine leaves the
@@ -207,6 +266,9 @@ class LLMEngine:
             if input_ids is None
             else self.executor.execute(step, input_ids=input_ids)
         )
+        if batch.speculative:
+            tokens = self._verify(batch, logits)
+            return LaunchedStep(batch, None, lambda: tokens)
         sampling = [i for i, s in enumerate(batch.samples) if s]
         seqs = [batch.seqs[i] for i in sampling]
         generators = [self.generators[s.request_id] for s in seqs]
@@ -223,7 +285,34 @@ class LLMEngine:
                 tokens[i] = t
         return LaunchedStep(batch, None, lambda: tokens)
 
-    def _complete(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
+    def _verify(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int | list[int] | None]:
+        """The tokens of a step in which some rows verified drafts: those rows get what
+        verification emits (`speculative.verify`), the other sampling rows one token each."""
+        from trtc.runtime.speculative.verify import verify
+
+        starts = list(
+            itertools.accumulate((batch.num_logits(i) for i in range(len(batch))), initial=0)
+        )
+        tokens: list[int | list[int] | None] = [None] * len(batch)
+        plain = [i for i, s in enumerate(batch.samples) if s and not batch.proposals[i]]
+        if plain:
+            rows = logits[torch.tensor([starts[i] for i in plain], device=logits.device)]
+            params = [batch.seqs[i].params for i in plain]
+            generators = [self.generators[batch.seqs[i].request_id] for i in plain]
+            for i, t in zip(plain, self.sampler.sample(rows, params, generators)):
+                tokens[i] = t
+        for i, (seq, proposal) in enumerate(zip(batch.seqs, batch.proposals)):
+            if proposal:
+                rows = logits[starts[i] : starts[i + 1]]
+                tokens[i] = verify(rows, proposal, seq.params, self.generators[seq.request_id])
+                self.counters.spec_proposed_tokens += len(proposal)
+                self.counters.spec_accepted_tokens += len(tokens[i]) - 1
+                self.counters.spec_verifications += 1
+        return tokens
+
+    def _complete(
+        self, batch: ScheduledBatch, tokens: list[int | list[int] | None]
+    ) -> list[RequestOutput]:
         """Advance the sequences of a step that ran by its sampled tokens; their outputs."""
         # A row of a step queued ahead whose sequence stopped (or was aborted) meanwhile is dropped.
         live = [s.status is SequenceStatus.RUNNING for s in batch.seqs]
@@ -250,17 +339,18 @@ class LLMEngine:
                 n_decode,
                 batch.num_tokens,
             )
-        self.scheduler.postprocess(batch, tokens)
+        before = [s.num_output_tokens for s in batch.seqs]
+        self.scheduler.postprocess(batch, tokens, self.output_processor.hits_stop_string)
         now = time.monotonic()
         outputs = []
-        for seq, token in zip(batch.seqs, tokens):
+        for seq, token, had in zip(batch.seqs, tokens, before):
             if token is None:
                 continue
-            self.counters.generation_tokens += 1
+            self.counters.generation_tokens += seq.num_output_tokens - had
             if self.output_processor.first_token(seq, now):
                 self.counters.prompt_tokens += seq.num_prompt_tokens
-            if self.output_processor.hits_stop_string(seq):
-                self.scheduler.finish(seq, "stop")
+            if self.proposer is not None:
+                (self.proposer.finished if seq.is_finished else self.proposer.verified)(seq)
             outputs.append(self._output(seq))
         return outputs
 

@@ -55,6 +55,11 @@ class EngineCounters:
     ahead_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Speculative decoding: drafts verified, drafts accepted, and sequences that verified
+    # drafts in a step (accepted / verifications = mean accepted drafts per step).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,20 @@ class EngineMetrics(EngineObserver):
             "trtc_preemptions", "Sequences preempted for lack of KV blocks", registry=r
         )
         self.steps = Counter("trtc_steps", "Engine steps", ["kind"], registry=r)
+        self.spec_proposed = Counter(
+            "trtc_spec_proposed_tokens", "Draft tokens verified (speculative decoding)", registry=r
+        )
+        self.spec_accepted = Counter(
+            "trtc_spec_accepted_tokens", "Draft tokens the target accepted", registry=r
+        )
+        self.spec_verifications = Counter(
+            "trtc_spec_verifications", "Sequence steps that verified drafts", registry=r
+        )
+        self.spec_mean_accepted = Gauge(
+            "trtc_spec_mean_accepted_length",
+            "Tokens a verifying sequence gains per step: accepted drafts + 1, on average",
+            registry=r,
+        )
         self.ttft = Histogram(
             "trtc_time_to_first_token_seconds",
             "Time to first token",
@@ -69,7 +83,14 @@ class EngineMetrics(EngineObserver):
             registry=r,
         )
         # The engine's totals at the last copy: Prometheus counters only take increments.
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._seen = {
+            "queries": 0,
+            "hits": 0,
+            "preemptions": 0,
+            "proposed": 0,
+            "accepted": 0,
+            "verifications": 0,
+        }
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Copy the engine's gauges and counters after a step (called from the engine thread)."""
@@ -77,14 +98,20 @@ class EngineMetrics(EngineObserver):
         self.running.set(stats.num_running)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
+        c = stats.counters
         for name, value, counter in (
             ("queries", stats.prefix_cache_queries, self.prefix_cache_queries),
             ("hits", stats.prefix_cache_hits, self.prefix_cache_hits),
             ("preemptions", stats.num_preemptions, self.preemptions),
+            ("proposed", c.spec_proposed_tokens, self.spec_proposed),
+            ("accepted", c.spec_accepted_tokens, self.spec_accepted),
+            ("verifications", c.spec_verifications, self.spec_verifications),
         ):
             if value > self._seen[name]:
                 counter.inc(value - self._seen[name])
                 self._seen[name] = value
+        if c.spec_verifications:
+            self.spec_mean_accepted.set(1 + c.spec_accepted_tokens / c.spec_verifications)
 
     def observe_step(self, step: StepSummary) -> None:
         self.steps.labels(step.kind).inc()

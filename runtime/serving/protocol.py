@@ -116,6 +116,8 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []  # extension
     ignore_eos: bool = False  # extension, for benchmarks
+    # extension: false keeps this request out of speculative decoding (`trtc serve --speculative`)
+    speculative: bool = True
     stream: bool = False
     stream_options: dict | None = None
     n: int = 1
@@ -159,6 +161,7 @@ class SamplingFields(BaseModel):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
         )
         try:
             return params.validate()
