@@ -346,6 +346,7 @@ def build(
         shutil.rmtree(staging / QUANTIZE_SPILL, ignore_errors=True)
         loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
         manifest = Manifest(
+            format_version=2 if ranks > 1 else 1,
             trtc_version=trtc.__version__,
             name=cfg.artifact_name,
             created=created,

@@ -131,10 +131,11 @@ def rank_shard(g: ModelGeometry, n: int, rank: int) -> RankShard:
 
 def tensor_slice(
     name: str, shard: RankShard, g: ModelGeometry, group_size: int | None = None
-) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)``: the part of checkpoint tensor ``name`` (or of a quantized
-    Linear's tensor of that name) rank ``shard`` holds; None for a tensor every rank holds
-    whole. ``group_size``: the INT4 group of quantized Linears."""
+) -> tuple[int, int, int, int] | None:
+    """``(dim, start, stop, whole)``: the part ``[start, stop)`` of dimension ``dim`` of
+    checkpoint tensor ``name`` (or of a quantized Linear's tensor of that name) that rank
+    ``shard`` holds, and the size ``whole`` the config gives that dimension; None for a tensor
+    every rank holds whole. ``group_size``: the INT4 group of quantized Linears."""
     match = _PROJECTION.search(name)
     if match is None:
         return None  # embedding, LM head, norms (q_norm/k_norm are over head_dim: whole)
@@ -143,23 +144,25 @@ def tensor_slice(
     if proj in COLUMN_PARALLEL:
         if leaf == "input_scale":  # FP8: one activation scale per Linear
             return None
-        start, stop = {
-            "q_proj": (shard.heads[0] * d, shard.heads[1] * d),
-            "k_proj": (shard.kv_heads[0] * d, shard.kv_heads[1] * d),
-            "v_proj": (shard.kv_heads[0] * d, shard.kv_heads[1] * d),
-            "gate_proj": shard.intermediate,
-            "up_proj": shard.intermediate,
+        start, stop, whole = {
+            "q_proj": (shard.heads[0] * d, shard.heads[1] * d, g.num_heads * d),
+            "k_proj": (shard.kv_heads[0] * d, shard.kv_heads[1] * d, g.num_kv_heads * d),
+            "v_proj": (shard.kv_heads[0] * d, shard.kv_heads[1] * d, g.num_kv_heads * d),
+            "gate_proj": (*shard.intermediate, g.intermediate_size),
+            "up_proj": (*shard.intermediate, g.intermediate_size),
         }[proj]
-        return 0, start, stop
+        return 0, start, stop, whole
     if proj in ROW_PARALLEL:
-        start, stop = (
-            (shard.heads[0] * d, shard.heads[1] * d) if proj == "o_proj" else shard.intermediate
+        start, stop, whole = (
+            (shard.heads[0] * d, shard.heads[1] * d, g.num_heads * d)
+            if proj == "o_proj"
+            else (*shard.intermediate, g.intermediate_size)
         )
         if leaf in _ROW_SPLIT_PER_COLUMN:
             per = _ROW_SPLIT_PER_COLUMN[leaf]
-            return 1, start // per, stop // per
+            return 1, start // per, stop // per, whole // per
         if leaf in _ROW_SPLIT_PER_GROUP:
-            return 1, start // group_size, stop // group_size
+            return 1, start // group_size, stop // group_size, -(-whole // group_size)
         return None  # bias (added once, after the sum), FP8 per-row and input scales
     raise ValueError(f"{name}: a projection trtc does not split ({proj})")
 

@@ -175,7 +175,7 @@ def plan_weights(
     source: WeightSource,
     dtype: torch.dtype,
     quantized=None,
-    shard: Callable[[str], tuple[int, int, int] | None] | None = None,
+    shard: Callable[[str], tuple[int, int, int, int] | None] | None = None,
 ) -> dict[str, LazyWeight]:
     """The recipe of every parameter and buffer of ``skeleton`` (the step model on fake
     tensors) that comes from the checkpoint: names as transformers', so a tensor is the
@@ -184,7 +184,7 @@ def plan_weights(
     biases follow the model dtype as the module's ``to`` decides). ``quantized.overrides``
     replace source tensors the quantization changed (AWQ's folded norms).
 
-    ``shard(name) -> (dim, start, stop) | None`` makes it one tensor-parallel rank's plan
+    ``shard(name) -> (dim, start, stop, whole) | None`` makes it one tensor-parallel rank's plan
     (`compiler.parallel.tensor_slice`): each recipe produces the rank's part of its tensor,
     reading only that part from a checkpoint."""
 
@@ -192,14 +192,14 @@ def plan_weights(
         where = shard(name) if shard is not None else None
         if where is None:
             return tensor
-        dim, start, stop = where
+        dim, start, stop, _ = where
         return tensor.narrow(dim, start, stop - start)
 
     def read(name: str) -> torch.Tensor:
         where = shard(name) if shard is not None else None
         if where is None:
             return source.read(name).to(dtype)
-        return source.read_slice(name, *where).to(dtype)
+        return source.read_slice(name, *where[:3]).to(dtype)
 
     overrides = getattr(quantized, "overrides", None) or {}
     linears = quantized.linears if quantized is not None else {}
@@ -235,10 +235,9 @@ def plan_weights(
                 )
             expected = list(t.shape)
             where = shard(name) if shard is not None else None
-            if where is not None:  # a rank's part of the whole tensor the checkpoint holds
-                dim, start, stop = where
-                if len(info.shape) > dim and stop <= info.shape[dim]:
-                    expected[dim] = info.shape[dim]
+            if where is not None:  # the checkpoint holds the whole tensor, the rank a part
+                dim, _, _, whole = where
+                expected[dim] = whole
             if list(info.shape) != expected:
                 raise BuildError(
                     f"checkpoint tensor {name} has shape {list(info.shape)}, the config "

@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from trtc.errors import ArtifactError
 
 FORMAT = "trtc-artifact"
-FORMAT_VERSION = 1
+# The newest format this code reads. 2: tensor-parallel artifacts (rank{i}/ graphs); a
+# one-graph artifact is still written as 1, which every version reads.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
@@ -228,7 +230,10 @@ class Manifest(BaseModel):
         if self.parallel.tensor == 1:
             return name
         if not 0 <= rank < self.parallel.tensor:
-            raise ArtifactError(f"rank {rank} of a {self.parallel.tensor}-rank artifact")
+            raise ArtifactError(
+                f"rank {rank} of a {self.parallel.tensor}-rank artifact (ranks are 0 to "
+                f"{self.parallel.tensor - 1})"
+            )
         return f"{self.parallel.rank_dir(rank)}/{name}"
 
     def to_json(self) -> str:

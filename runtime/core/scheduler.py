@@ -229,6 +229,7 @@ class Scheduler:
                 return None  # growing the others was not wasted: the next step needs it
             ahead.seqs.append(seq)
             ahead.num_new_tokens.append(1)
+            ahead.proposals.append(None)
             ahead.samples.append(True)
         return ahead
 
@@ -272,7 +273,7 @@ class Scheduler:
             )
         finished = []
         for (seq, n), samples, proposal, sampled in zip(
-            batch, batch.samples, batch.proposals, sampled_token_ids
+            batch, batch.samples, batch.proposals, sampled_token_ids, strict=True
         ):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished since the step was scheduled

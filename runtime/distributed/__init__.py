@@ -20,7 +20,16 @@ def torchrun_worker(artifact: str, executor: str) -> bool:
         return False
     import torch
 
+    from trtc.artifact import read_manifest
+    from trtc.errors import ArtifactError
     from trtc.runtime.distributed.worker import WorkerSpec, run_worker
+
+    ranks = read_manifest(artifact).parallel.tensor
+    if ranks != env.world_size:
+        raise ArtifactError(
+            f"{artifact} is split over {ranks} tensor-parallel rank(s), and the launcher "
+            f"started {env.world_size} (WORLD_SIZE); launch {ranks}"
+        )
 
     kind = (
         executor

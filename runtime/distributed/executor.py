@@ -68,6 +68,7 @@ class TensorParallelExecutor:
         check_devices(self.world_size, on_gpu)
         self.workers = []
         self._closing = False
+        self._lock = threading.Lock()  # one step at a time; close waits for the running one
         env = RankEnv.from_environ()
         if env is not None and env.world_size > 1:  # torchrun started every rank
             if env.world_size != self.world_size:
@@ -127,15 +128,10 @@ class TensorParallelExecutor:
         dead = next(w for w in self.workers if w.sentinel in ready)
         rank = self.workers.index(dead) + 1
         dead.join(timeout=1)
-        message = (
-            f"trtc: tensor-parallel worker rank {rank} (pid {dead.pid}) died "
-            f"({_exit_reason(dead.exitcode)}); stopping: the other ranks cannot go on without "
-            "its slice of the model"
+        self._fail(
+            f"worker rank {rank} (pid {dead.pid}) died ({_exit_reason(dead.exitcode)}); the "
+            "other ranks cannot go on without its slice of the model"
         )
-        log.error(message)
-        print(message, file=sys.stderr, flush=True)
-        self._kill_workers()
-        os._exit(EXIT_WORKER_DIED)
 
     def _kill_workers(self) -> None:
         self._closing = True
@@ -145,27 +141,51 @@ class TensorParallelExecutor:
                 w.join()
 
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        send_step(step, input_ids, self.groups.control, self.groups.device)
-        if input_ids is None:
-            return self.inner.execute(step)
-        return self.inner.execute(step, input_ids=input_ids)
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the tensor-parallel executor is closed")
+            try:
+                send_step(step, input_ids, self.groups.control, self.groups.device)
+                if input_ids is None:
+                    return self.inner.execute(step)
+                return self.inner.execute(step, input_ids=input_ids)
+            except BaseException as e:
+                # The workers ran (or wait in) this step's collectives: every later step would
+                # pair its all-reduces with the wrong ones. Nothing can be resynchronised.
+                self._fail(f"a step failed on rank 0 ({type(e).__name__}: {e})")
+                raise
+
+    def _fail(self, reason: str) -> None:
+        message = f"trtc: tensor parallel: {reason}; stopping every rank"
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        self._kill_workers()
+        os._exit(EXIT_WORKER_DIED)
 
     def close(self) -> None:
-        """Stop the workers and leave the group (idempotent)."""
+        """Stop the workers and leave the group (idempotent). A step still running gets
+        ``_STOP_TIMEOUT`` seconds to end; after that the workers are killed."""
         if self._closing:
             return
-        self._closing = True
+        if not self._lock.acquire(timeout=_STOP_TIMEOUT):
+            log.warning("a step is still running; killing the tensor-parallel workers")
+            self._kill_workers()
+            return
         try:
-            send_stop(self.groups.control)
-        except Exception as e:  # a worker already gone: the others are killed below
-            log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
-        for w in self.workers:
-            w.join(timeout=_STOP_TIMEOUT)
-            if w.is_alive():
-                log.warning("rank worker pid %d did not stop; killing it", w.pid)
-                w.kill()
-                w.join()
-        destroy_groups()
+            self._closing = True
+            try:
+                send_stop(self.groups.control)
+            except Exception as e:  # a worker already gone: the others are killed below
+                log.warning("could not stop the tensor-parallel workers cleanly: %s", e)
+            for w in self.workers:
+                w.join(timeout=_STOP_TIMEOUT)
+                if w.is_alive():
+                    log.warning("rank worker pid %d did not stop; killing it", w.pid)
+                    w.kill()
+                    w.join()
+            destroy_groups()
+        finally:
+            self._lock.release()
         from trtc.plugins.all_reduce import use_group
 
         use_group(None)

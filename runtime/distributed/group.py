@@ -79,8 +79,8 @@ def check_devices(world_size: int, on_gpu: bool) -> None:
         raise ArtifactError(
             f"the artifact is split over {world_size} tensor-parallel ranks, one GPU each, "
             f"and this host has {torch.cuda.device_count()} visible GPU(s); run it on a host "
-            f"with {world_size} GPUs (or CUDA_VISIBLE_DEVICES listing them), or rebuild with "
-            "parallel.tensor matching the GPUs"
+            f"with {world_size} GPUs (or CUDA_VISIBLE_DEVICES listing them), rebuild with "
+            "parallel.tensor matching the GPUs, or run the ranks on the CPU (--executor torch)"
         )
 
 

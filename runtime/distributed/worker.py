@@ -6,8 +6,9 @@ device group. A worker (`run_worker`) then runs whatever step the driver broadca
 driver says stop; it owns no scheduler and returns nothing (rank 0's logits are the ones the
 driver samples from, and every rank computes the same).
 
-A spawned worker (`spawned_worker`) ignores Ctrl-C (the terminal sends it to every process;
-the driver stops its workers itself) and exits when the driver's process is gone.
+A spawned worker (`spawned_worker`) ignores Ctrl-C and SIGTERM (a terminal or a service
+manager sends them to the whole process group; the driver stops its workers itself, after
+its graceful shutdown) and exits when the driver's process is gone.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def _exit_with_parent(parent: int) -> None:
 def spawned_worker(spec: WorkerSpec, parent: int, log_level: int) -> None:
     """The entry point of a worker the driver spawned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(parent)
     logging.basicConfig(
         level=log_level,

@@ -217,31 +217,40 @@ class LLMEngine:
         launched, self._ahead = self._ahead, None
         if launched is not None and not launched.batch.has_running():
             launched = None  # every row finished or was aborted since it was queued
-        speculating = self._propose() if launched is None else False
         if launched is None:
+            self._propose()
             batch = self.scheduler.schedule()
             if not len(batch):
                 return []
             launched = self._launch(batch)
-        if launched.device_tokens is not None and not speculating:
+        # While speculation is on, the next step waits for this one's tokens to propose drafts.
+        if launched.device_tokens is not None and not self._speculation_on():
             ahead = self.scheduler.schedule_ahead(launched.batch)
             if ahead is not None:
                 self._ahead = self._launch(ahead, input_ids=launched.device_tokens)
         return self._complete(launched.batch, launched.tokens())
 
-    def _propose(self) -> bool:
-        """Give running decoders drafts to verify in the next step (`Sequence.proposal`), while
-        few enough run (``speculative_max_batch``); whether speculation is on this step."""
+    def _speculation_on(self) -> bool:
+        """Whether the running sequences get drafts: a proposer, at most
+        ``speculative_max_batch`` of them running, one that allows it."""
         running = self.scheduler.running
-        if self.proposer is None or len(running) > self.config.speculative_max_batch:
-            return False
+        return (
+            self.proposer is not None
+            and 0 < len(running) <= self.config.speculative_max_batch
+            and any(s.params.speculative for s in running)
+        )
+
+    def _propose(self) -> None:
+        """Give running decoders drafts to verify in the next step (`Sequence.proposal`)."""
+        if not self._speculation_on():
+            return
         decoding = [
             s
-            for s in running
+            for s in self.scheduler.running
             if s.params.speculative and s.num_uncomputed_tokens == 1 and s.num_output_tokens
         ]
         if not decoding:
-            return False
+            return
         k = self.config.speculative_tokens
         # Drafts and the token after them must fit max_tokens and the context.
         limits = [
@@ -255,7 +264,6 @@ class LLMEngine:
         ]
         for seq, proposal in zip(decoding, self.proposer.propose(decoding, limits)):
             seq.proposal = proposal if len(proposal) else None
-        return True
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``batch`` on the executor and start sampling it. An async engine leaves the

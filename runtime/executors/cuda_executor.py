@@ -1,15 +1,19 @@
 """The CUDA executor: the torch executor on a GPU, with the KV pool preallocated from a memory
 fraction and decode steps captured as CUDA graphs for a set of batch sizes (a decode step of a
-small model is mostly host overhead otherwise). Prefill and mixed steps run eagerly.
+small model is mostly host overhead otherwise). Steps of a few tokens a sequence (speculative
+verification) replay graphs too, captured on first use; longer prefill and mixed steps run
+eagerly.
 
 A decode step of ``n`` sequences replays the graph of the smallest captured size ``>= n``; the
 extra rows are padding (slot -1, so nothing is written; one visible cached position, so nothing
-divides by zero) and their logits are dropped."""
+divides by zero) and their logits are dropped. A multi-token step is laid out the same way, each
+sequence padded to its bucket's tokens (`MultiTokenInputs`)."""
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from trtc import envs
@@ -24,6 +28,12 @@ from trtc.runtime.executors.torch_ops import ONNX_OPS
 log = logging.getLogger("trtc.executor")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Tokens per sequence of the multi-token steps captured as graphs (a sequence verifying K
+# drafts runs K + 1: K = 1, 2, 4, 8), each sequence's tokens padded to the bucket.
+MULTI_TOKEN_BUCKETS = (2, 3, 5, 9)
+# Only for steps of few sequences (speculation's, by its off-rule): a graph's logits cover every
+# padded token, and a wide one would take memory the KV pool was sized without.
+MULTI_TOKEN_MAX_SEQS = 16
 
 
 def blocks_for_memory(
@@ -76,6 +86,10 @@ class CudaExecutor(TorchExecutor):
         if self.graph_sizes[-1] < top:
             self.graph_sizes.append(top)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
+        # Steps of up to MULTI_TOKEN_BUCKETS[-1] tokens a sequence (speculative verification,
+        # short chunks), captured the first time a shape is met: (batch, tokens) -> graph.
+        self.multi_graphs: dict[tuple[int, int], tuple] = {}
+        self._multi_pool = None
         if use_cuda_graphs:
             self.capture_graphs()
 
@@ -134,6 +148,15 @@ class CudaExecutor(TorchExecutor):
         order, behind the kernels of the step that produces them."""
         num_tokens, num_seqs = step.num_tokens, step.num_seqs
         size = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
+        if (
+            num_tokens != num_seqs
+            and size is not None
+            and size <= MULTI_TOKEN_MAX_SEQS
+            and input_ids is None
+        ):
+            logits = self._replay_multi_token(step, size)
+            if logits is not None:
+                return logits
         if num_tokens != num_seqs or size is None:  # prefill or mixed: eager
             feeds = step.to(self.device, non_blocking=True).as_dict()
             if input_ids is not None:
@@ -145,6 +168,102 @@ class CudaExecutor(TorchExecutor):
             inputs.tensors["input_ids"][:num_seqs].copy_(input_ids)
         graph.replay()
         return logits[:num_seqs]
+
+    def _replay_multi_token(self, step: StepInputs, batch: int) -> torch.Tensor | None:
+        """A step whose sequences each run at most a bucket's tokens, replayed from the graph of
+        (``batch``, bucket), captured now if it is the first of its shape; None when no bucket
+        holds it (then the step runs eagerly)."""
+        most = int((step.query_start_loc[1:] - step.query_start_loc[:-1]).max())
+        tokens = next((q for q in MULTI_TOKEN_BUCKETS if q >= most), None)
+        if tokens is None:
+            return None
+        key = (batch, tokens)
+        if key not in self.multi_graphs:
+            self.multi_graphs[key] = self._capture_multi_token(batch, tokens)
+        graph, inputs, logits = self.multi_graphs[key]
+        rows = inputs.load(step)
+        graph.replay()
+        return logits.index_select(0, rows)
+
+    @torch.inference_mode()
+    def _capture_multi_token(self, batch: int, tokens: int) -> tuple:
+        inputs = MultiTokenInputs(batch, tokens, self.max_blocks_per_seq, self.device)
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile kernels, settle the allocator
+                self.forward(inputs.tensors)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # Their own pool: the logits a verifying step returns are read after the next decode
+        # graph is queued (never the other way round: a step's tokens are read before the
+        # next multi-token step is built).
+        with torch.cuda.graph(graph, pool=self._multi_pool):
+            logits = self.forward(inputs.tensors)
+        self._multi_pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        log.info("captured a graph for steps of %d sequences x %d tokens", batch, tokens)
+        return graph, inputs, logits
+
+
+class MultiTokenInputs:
+    """The static inputs of a captured step of ``batch`` sequences x ``tokens`` tokens each. A
+    step's sequences are laid out at ``tokens`` apart, each padded after its own tokens: the
+    padding writes no KV (slot -1) and sits after the real tokens, so their causal view is
+    unchanged (context lengths grow by the padding); padded sequences see ``tokens``
+    positions. ``load`` returns the rows of the logits the step asked for."""
+
+    def __init__(self, batch: int, tokens: int, max_blocks: int, device: torch.device):
+        self.batch, self.tokens, self.max_blocks = batch, tokens, max_blocks
+        width = batch * tokens
+        self.host64 = torch.zeros(3, width, dtype=torch.int64).pin_memory()
+        self.host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32).pin_memory()
+        self.host_rows = torch.zeros(width, dtype=torch.int64).pin_memory()
+        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
+        self.dev_rows = self.host_rows.to(device)
+        self.copied = torch.cuda.Event()
+        self.tensors = {
+            "input_ids": self.dev64[0],
+            "positions": self.dev64[1],
+            "slot_mapping": self.dev64[2],
+            "block_tables": self.dev32[batch:].view(batch, max_blocks),
+            "context_lens": self.dev32[:batch],
+            "query_start_loc": torch.arange(0, width + 1, tokens, dtype=torch.int32, device=device),
+            "logits_indices": torch.arange(width, dtype=torch.int64, device=device),
+        }
+        self.host64[2] = -1
+        self.host32[:batch] = tokens
+        self.dev64.copy_(self.host64)
+        self.dev32.copy_(self.host32)
+
+    def load(self, step: StepInputs) -> torch.Tensor:
+        q = self.tokens
+        starts = step.query_start_loc.numpy().astype(np.int64)
+        counts = np.diff(starts)
+        n, width = step.block_tables.shape
+        seq_of = np.repeat(np.arange(n), counts)
+        # Where each of the step's tokens goes: its sequence's slot of q, at its own offset.
+        at = seq_of * q + (np.arange(step.num_tokens) - starts[seq_of])
+        self.copied.synchronize()  # the previous step's copies have read the host buffers
+        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        last_position = step.positions.numpy()[starts[1:] - 1]
+        h64[0], h64[2] = 0, -1
+        h64[1] = np.repeat(np.append(last_position, np.zeros(self.batch - n, np.int64)), q)
+        h64[0, at], h64[1, at] = step.input_ids.numpy(), step.positions.numpy()
+        h64[2, at] = step.slot_mapping.numpy()
+        h32[:n] = step.context_lens.numpy() - counts + q
+        h32[n : self.batch] = q
+        h32[self.batch :].reshape(self.batch, self.max_blocks)[:n, :width] = (
+            step.block_tables.numpy()
+        )
+        rows = at[step.logits_indices.numpy()]
+        self.host_rows.numpy()[: len(rows)] = rows
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.dev_rows.copy_(self.host_rows, non_blocking=True)
+        self.copied.record()
+        return self.dev_rows[: len(rows)]
 
 
 class DecodeInputs:

@@ -98,9 +98,10 @@ def int4_fragment_bytes(manifest: Manifest) -> int:
         or quant.group_size not in fk.GROUP_SIZES
     ):
         return 0
-    return fk.fragment_extra_bytes(
+    whole = fk.fragment_extra_bytes(
         quant.linear_weight_bytes_quantized, quant.group_size
     ) + 2 * _largest_linear(manifest)
+    return whole // manifest.parallel.tensor  # a rank holds its share of every Linear
 
 
 FUSION = Fusion("int4_fragment", {INT4_GEMM_FRAGMENT: int4_gemm_fragment}, fuse_int4_fragments)

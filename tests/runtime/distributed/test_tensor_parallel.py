@@ -23,6 +23,7 @@ from trtc.errors import ArtifactError
 from trtc.runtime.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
 MODELS = ["tiny-llama", "tiny-mistral", "tiny-qwen2"]  # GQA; sliding window + MQA; q/k/v bias
+IN_PROCESS = [*MODELS, "tiny-qwen3"]  # and per-head q/k norms
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -38,7 +39,7 @@ def _mixed_step():
     )
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", IN_PROCESS)
 def test_two_ranks_give_the_one_rank_logits_and_tokens(tiny_artifacts, tp_artifacts, name):
     one = LLM(tiny_artifacts[name], executor="torch", num_blocks=64)
     two = LLM(tp_artifacts[name], executor="torch", num_blocks=64)
@@ -181,3 +182,79 @@ def test_more_ranks_than_gpus_is_refused_before_loading(tp_artifacts):
         pytest.skip("this host has the GPUs a two-rank artifact needs")
     with pytest.raises(ArtifactError, match="visible GPU"):
         LLMEngine(tp_artifacts["tiny-llama"], EngineConfig(executor="cuda"))
+
+
+def _biased_llama(path: Path) -> Path:
+    """A Llama with o_proj and down_proj biases (added once, after the sum over ranks) and an
+    intermediate size whose halves are whole INT4 groups of 32, as an HF safetensors directory
+    (each rank reads slices of its tensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trtc.compiler.tiny import byte_tokenizer
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        max_position_embeddings=256,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # transformers initialises biases to zero
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["none", "rtn"])
+def test_biases_and_int4_shards_give_the_one_rank_logits(tmp_path, method):
+    from conftest import build_quiet
+    from trtc.compiler.config import parse_config
+
+    checkpoint = _biased_llama(tmp_path / "ckpt")
+    built = {}
+    for ranks in (1, 2):
+        cfg = {
+            "model": {"source": "hf", "path": str(checkpoint)},
+            "precision": "fp32",
+            "parallel": {"tensor": ranks},
+            "quantization": {"method": method, "group_size": 32},
+        }
+        built[ranks] = build_quiet(parse_config(cfg), tmp_path / f"tp{ranks}")
+    one = LLM(built[1], executor="torch", num_blocks=32)
+    two = LLM(built[2], executor="torch", num_blocks=32)
+    try:
+        step = _mixed_step()
+        torch.testing.assert_close(
+            two.engine.executor.execute(step), one.engine.executor.execute(step), rtol=0, atol=1e-3
+        )
+    finally:
+        two.engine.close()
+
+
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused_per_rank(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from conftest import build_quiet
+    from trtc.compiler.config import parse_config
+    from trtc.errors import BuildError
+
+    checkpoint = _biased_llama(tmp_path / "ckpt")
+    tensors = load_file(checkpoint / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = torch.cat([tensors[name], tensors[name]])  # twice the KV heads config says
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    cfg = {"model": {"source": "hf", "path": str(checkpoint)}, "parallel": {"tensor": 2}}
+    with pytest.raises(BuildError, match=rf"{name} has shape \[64, 64\], the config implies \[32"):
+        build_quiet(parse_config(cfg), tmp_path / "out")

@@ -15,7 +15,7 @@ import torch
 from conftest import TINY_NAMES
 from harness.golden import greedy_continuation
 from harness.onnx_reference import OnnxReferenceRunner
-from trtc.artifact import Artifact
+from trtc.artifact import FORMAT_VERSION, Artifact
 from trtc.compiler.tiny import tiny_model
 from trtc.contract import SequenceWork, make_step
 from trtc.errors import ArtifactError
@@ -110,7 +110,7 @@ def test_engine_refuses_tampered_or_too_new_artifact(tiny_artifacts, tmp_path):
     shutil.rmtree(art)
     shutil.copytree(tiny_artifacts["tiny-llama"], art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["format_version"] = 2
+    manifest["format_version"] = FORMAT_VERSION + 1  # newer than this code reads
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="newer than this trtc reads"):
         LLMEngine(art)

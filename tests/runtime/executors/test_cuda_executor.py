@@ -33,6 +33,41 @@ def test_cuda_executor_matches_cpu(tiny_artifacts):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_multi_token_steps_replay_a_graph_with_the_eager_logits(tiny_artifacts, name):
+    """Steps of a few tokens a sequence (verifying drafts) run from a captured graph, each
+    sequence padded to its bucket; the logits the step asks for equal the eager run's and the
+    KV cache gets the same writes."""
+    from trtc.runtime.executors.cuda_executor import CudaExecutor
+
+    art = Artifact.open(tiny_artifacts[name])
+    eager = CudaExecutor(art, num_blocks=64, use_cuda_graphs=False)
+    graphed = CudaExecutor(art, num_blocks=64)
+    prompts = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
+    tables = [[0, 1, 2, 3], [10, 11, 12], [20, 21]]
+    prefill = make_step([SequenceWork(p, 0, t) for p, t in zip(prompts, tables)], 16)
+    for ex in (eager, graphed):
+        ex.execute(prefill)
+    # 5, 1 and 3 new tokens (drafts), logits of each sequence's last 5, 1 and 3.
+    news = [[7, 8, 9, 10, 11], [12], [13, 14, 15]]
+    work = [SequenceWork(n, len(p), t, num_logits=len(n)) for n, p, t in zip(news, prompts, tables)]
+    step = make_step(work, 16)
+    a, b = eager.execute(step), graphed.execute(step)
+    assert (4, 5) in graphed.multi_graphs  # 3 sequences: the batch-4 graph, bucket 5
+    assert b.shape == (9, a.shape[1])
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)
+    done = [len(p) + len(n) for p, n in zip(prompts, news)]
+    for i in range(2):  # two tokens a sequence: bucket 2, captured once, then replayed
+        follow = make_step(
+            [SequenceWork([1, 2], d + 2 * i, t, 2) for d, t in zip(done, tables)], 16
+        )
+        torch.testing.assert_close(
+            graphed.execute(follow), eager.execute(follow), atol=1e-4, rtol=1e-4
+        )
+    assert set(graphed.multi_graphs) == {(4, 5), (4, 2)}
+
+
 # tiny-qwen3: per-head q/k norms, its layers left to the unfused rotary and cache write.
 @pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
 def test_greedy_generation_same_on_gpu_and_cpu(tiny_artifacts, name):

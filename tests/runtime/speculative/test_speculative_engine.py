@@ -93,3 +93,15 @@ def test_sampled_requests_are_reproducible_with_a_seed(tiny_artifacts, poor_draf
 def test_a_draft_with_another_tokenizer_is_refused(tiny_artifacts, smollm2_fp32):
     with pytest.raises(ValueError, match="tokenizer differs from the target's"):
         LLM(tiny_artifacts["tiny-llama"], executor="torch", speculative=f"draft:{smollm2_fp32}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proposer", ["ngram", "draft-poor"])
+def test_greedy_output_is_unchanged_on_the_cuda_executor(tiny_artifacts, poor_draft, proposer):
+    artifact = tiny_artifacts["tiny-llama"]
+    spec = "ngram" if proposer == "ngram" else f"draft:{poor_draft}"
+    plain = LLM(artifact, executor="cuda", num_blocks=64)
+    expect = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    fast = LLM(artifact, executor="cuda", num_blocks=64, speculative=spec)
+    assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == expect
+    assert fast.engine.counters.spec_verifications > 0
