@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
@@ -15,7 +16,16 @@ from trtc.compiler.memory import PeakMeter, gb
 
 
 class Progress:
-    def __init__(self, interactive: bool | None = None, quiet: bool = False):
+    def __init__(
+        self,
+        interactive: bool | None = None,
+        quiet: bool = False,
+        interrupted: Callable[[], bool] | None = None,
+    ):
+        """``interrupted()``: whether the user interrupted the build. Checked as each stage
+        starts and ends, so an interrupt that arrived while Python could not raise it (inside
+        a finaliser, which swallows exceptions) still stops the build at the next boundary."""
+        self.interrupted = interrupted or (lambda: False)
         self.console = Console(stderr=True, highlight=False)
         self.interactive = self.console.is_terminal if interactive is None else interactive
         self.quiet = quiet
@@ -52,6 +62,8 @@ class Progress:
     @contextmanager
     def stage(self, name: str, description: str):
         """Run one stage; the body may set ``done["detail"]`` to say what it did."""
+        if self.interrupted():
+            raise KeyboardInterrupt
         done = {"detail": ""}
         self._outside_stages = max(self._outside_stages, self.meter.peak())
         self.meter.reset()
@@ -78,6 +90,9 @@ class Progress:
         self._status = None
         if status:
             status.stop()
+        if self.interrupted():
+            self.log(f"{name}: interrupted after {time.perf_counter() - start:.1f}s")
+            raise KeyboardInterrupt
         peak = self._record_peak(name)
         detail = f" — {done['detail']}" if done["detail"] else ""
         mark = "✓ " if self.interactive else ""

@@ -39,11 +39,9 @@ def build_quiet(cfg, out: Path, **kw) -> Path:
     return build(cfg, output=str(out), progress=Progress(quiet=True), **kw)
 
 
-@pytest.fixture(scope="session")
-def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """fp32 artifacts of the tiny models (`TINY_NAMES`; built lazily, once)."""
-    built: dict[str, Path] = {}
-    root = tmp_path_factory.mktemp("tiny")
+def lazy_builds(root: Path, **extra) -> dict[str, Path]:
+    """fp32 artifacts of the tiny models by name, each built on first use (``extra``: more
+    config sections)."""
 
     class Lazy(dict):
         def __missing__(self, name):
@@ -52,33 +50,25 @@ def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
                     "model": {"source": "tiny", "name": name},
                     "precision": "fp32",
                     "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
-                }
-            )
-            self[name] = build_quiet(cfg, root / name)
-            return self[name]
-
-    return Lazy(built)
-
-
-@pytest.fixture(scope="session")
-def tp_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """`tiny_artifacts`' models split over two tensor-parallel ranks (built lazily, once)."""
-    root = tmp_path_factory.mktemp("tp2")
-
-    class Lazy(dict):
-        def __missing__(self, name):
-            cfg = parse_config(
-                {
-                    "model": {"source": "tiny", "name": name},
-                    "precision": "fp32",
-                    "limits": {"max_num_tokens": 256, "max_num_seqs": 8},
-                    "parallel": {"tensor": 2},
+                    **extra,
                 }
             )
             self[name] = build_quiet(cfg, root / name)
             return self[name]
 
     return Lazy()
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
+    """fp32 artifacts of the tiny models (`TINY_NAMES`; built lazily, once)."""
+    return lazy_builds(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tp_artifacts(tmp_path_factory) -> dict[str, Path]:
+    """`tiny_artifacts`' models split over two tensor-parallel ranks (built lazily, once)."""
+    return lazy_builds(tmp_path_factory.mktemp("tp2"), parallel={"tensor": 2})
 
 
 def smollm2_available() -> bool:

@@ -31,8 +31,19 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(getattr(e, "exit_code", 1))
 
 
-def _sigterm_as_interrupt(signum, frame):
+_interrupted = False  # set by the first SIGINT/SIGTERM of a command that writes atomically
+
+
+def _interrupt(signum, frame):
+    """Ctrl-C and SIGTERM: remembered (`_was_interrupted`: a finaliser running when the signal
+    arrives swallows the exception, and the build must still stop) and raised."""
+    global _interrupted
+    _interrupted = True
     raise KeyboardInterrupt
+
+
+def _was_interrupted() -> bool:
+    return _interrupted
 
 
 @contextmanager
@@ -40,7 +51,8 @@ def _all_or_nothing():
     """For commands that write a directory atomically: SIGTERM ends them as Ctrl-C does (so the
     staging directory is removed), a TrtcError is one line, an interrupt says nothing was
     written."""
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         yield
     except TrtcError as e:
@@ -72,7 +84,8 @@ def build(
         from trtc.compiler.build import build as run_build
         from trtc.compiler.progress import Progress
 
-        out = run_build(cfg, output=output, force=force, progress=Progress(quiet=quiet))
+        progress = Progress(quiet=quiet, interrupted=_was_interrupted)
+        out = run_build(cfg, output=output, force=force, progress=progress)
     if not quiet:
         err.print(f"artifact: {out}   (inspect it with: trtc inspect {out})")
 

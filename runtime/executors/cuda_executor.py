@@ -128,18 +128,24 @@ class CudaExecutor(TorchExecutor):
             self.graph_sizes, reverse=True
         ):  # largest first: smaller ones reuse its memory
             inputs = DecodeInputs(batch, self.max_blocks_per_seq, self.device)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile kernels, settle the allocator
-                    self.forward(inputs.tensors)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(inputs.tensors)
+            graph, logits = self._capture(inputs.tensors, pool)
             pool = graph.pool()
             self.graphs[batch] = (graph, inputs, logits)
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, tensors: dict, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step graph on static ``tensors`` as a CUDA graph (memory from ``pool``), after
+        two warm-up runs that compile the kernels and settle the allocator."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward(tensors)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.forward(tensors)
+        return graph, logits
 
     @torch.inference_mode()
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,18 +195,10 @@ class CudaExecutor(TorchExecutor):
     def _capture_multi_token(self, batch: int, tokens: int) -> tuple:
         inputs = MultiTokenInputs(batch, tokens, self.max_blocks_per_seq, self.device)
         torch.cuda.synchronize(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile kernels, settle the allocator
-                self.forward(inputs.tensors)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         # Their own pool: the logits a verifying step returns are read after the next decode
         # graph is queued (never the other way round: a step's tokens are read before the
         # next multi-token step is built).
-        with torch.cuda.graph(graph, pool=self._multi_pool):
-            logits = self.forward(inputs.tensors)
+        graph, logits = self._capture(inputs.tensors, self._multi_pool)
         self._multi_pool = graph.pool()
         torch.cuda.synchronize(self.device)
         log.info("captured a graph for steps of %d sequences x %d tokens", batch, tokens)
