@@ -17,7 +17,7 @@ import torch
 
 import trtc
 from trtc import contract
-from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest
+from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest, rank_file
 from trtc.compiler import writer
 from trtc.compiler.architectures import geometry_from_config
 from trtc.compiler.config import BuildConfig
@@ -148,10 +148,9 @@ def graph_record(model: onnx.ModelProto, ranks: int = 1) -> dict:
             else "constants"
         )
         weight_bytes[kind] += size
-    prefix = "" if ranks == 1 else "rank0/"
     return {
-        "file": prefix + MODEL_FILE,
-        "weights_file": prefix + WEIGHTS_FILE,
+        "file": rank_file(MODEL_FILE, 0, ranks),
+        "weights_file": rank_file(WEIGHTS_FILE, 0, ranks),
         "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
         "functions": [f"{f.domain}::{f.name}" for f in model.functions],
         "num_nodes": len(model.graph.node),
@@ -331,14 +330,11 @@ def build(
             problems = check_report(report, g.num_layers)
             if problems:
                 raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
-            directory = staging
-            if ranks > 1:
-                directory = staging / f"rank{rank}"
-                directory.mkdir()
+            directory = (staging / rank_file(MODEL_FILE, rank, ranks)).parent
+            directory.mkdir(exist_ok=True)
             with progress.stage(f"write{suffix}", "converting and writing the weights") as done:
                 digests = writer.save_onnx(proto, directory, recipes, log=progress.update)
-                prefix = "" if ranks == 1 else f"rank{rank}/"
-                hashes.update({prefix + name: digest for name, digest in digests.items()})
+                hashes.update({rank_file(n, rank, ranks): d for n, d in digests.items()})
                 del recipes
                 mb = graph_record(proto)["weight_bytes"]["total"] / 1e6
                 done["detail"] = f"{mb:.1f} MB of weights"

@@ -188,19 +188,6 @@ def plan_weights(
     (`compiler.parallel.tensor_slice`): each recipe produces the rank's part of its tensor,
     reading only that part from a checkpoint."""
 
-    def part(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        where = shard(name) if shard is not None else None
-        if where is None:
-            return tensor
-        dim, start, stop, _ = where
-        return tensor.narrow(dim, start, stop - start)
-
-    def read(name: str) -> torch.Tensor:
-        where = shard(name) if shard is not None else None
-        if where is None:
-            return source.read(name).to(dtype)
-        return source.read_slice(name, *where[:3]).to(dtype)
-
     overrides = getattr(quantized, "overrides", None) or {}
     linears = quantized.linears if quantized is not None else {}
 
@@ -215,15 +202,16 @@ def plan_weights(
         if name in real:
             continue  # computed at export (rotary tables): real tensors in the graph
         prefix, _, leaf = name.rpartition(".")
+        where = shard(name) if shard is not None else None
         if prefix in linears:
             plan[name] = LazyWeight(
                 t.shape,
                 t.dtype,
-                lambda p=prefix, leaf=leaf, n=name: part(n, module_tensor(p, leaf)),
+                lambda p=prefix, leaf=leaf, w=where: _part(module_tensor(p, leaf), w),
             )
         elif name in overrides:
             plan[name] = LazyWeight(
-                t.shape, t.dtype, lambda n=name: part(n, overrides[n].detach().to(dtype))
+                t.shape, t.dtype, lambda n=name, w=where: _part(overrides[n].detach().to(dtype), w)
             )
         else:
             info = source.info().get(name)
@@ -234,7 +222,6 @@ def plan_weights(
                     "layout needs (is it a checkpoint of this architecture?)"
                 )
             expected = list(t.shape)
-            where = shard(name) if shard is not None else None
             if where is not None:  # the checkpoint holds the whole tensor, the rank a part
                 dim, _, _, whole = where
                 expected[dim] = whole
@@ -243,8 +230,22 @@ def plan_weights(
                     f"checkpoint tensor {name} has shape {list(info.shape)}, the config "
                     f"implies {expected} (config.json and weights disagree)"
                 )
-            plan[name] = LazyWeight(t.shape, t.dtype, lambda n=name: read(n))
+            plan[name] = LazyWeight(
+                t.shape,
+                t.dtype,
+                lambda n=name, w=where: (
+                    source.read(n) if w is None else source.read_slice(n, *w[:3])
+                ).to(dtype),
+            )
     return plan
+
+
+def _part(tensor: torch.Tensor, where: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """A rank's ``[start, stop)`` of dimension ``dim`` of ``tensor`` (all of it for None)."""
+    if where is None:
+        return tensor
+    dim, start, stop, _ = where
+    return tensor.narrow(dim, start, stop - start)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -183,8 +183,11 @@ class ParallelLayout(_Section):
     replicated: list[str] = []  # what every rank holds whole
     kv_heads_replicated: bool = False  # more ranks than KV heads: ranks share KV heads
 
-    def rank_dir(self, rank: int) -> str:
-        return f"rank{rank}"
+
+def rank_file(name: str, rank: int, ranks: int) -> str:
+    """Where rank ``rank``'s ``name`` (`MODEL_FILE`, `WEIGHTS_FILE`) lives in an artifact of
+    ``ranks`` tensor-parallel ranks, relative to it: ``rank{i}/name``, or ``name`` for one."""
+    return name if ranks == 1 else f"rank{rank}/{name}"
 
 
 class FileRecord(_Section):
@@ -220,21 +223,14 @@ class Manifest(BaseModel):
     engines: list[EngineRecord] = []
     files: dict[str, FileRecord] = {}
 
-    @property
-    def tensor_parallel(self) -> int:
-        return self.parallel.tensor
-
     def rank_file(self, name: str, rank: int = 0) -> str:
-        """``name`` (`MODEL_FILE`, `WEIGHTS_FILE`) of rank ``rank``'s graph, relative to the
-        artifact: ``rank{i}/name`` in a tensor-parallel artifact, ``name`` otherwise."""
-        if self.parallel.tensor == 1:
-            return name
+        """``name`` of rank ``rank``'s graph in this artifact (`rank_file`)."""
         if not 0 <= rank < self.parallel.tensor:
             raise ArtifactError(
                 f"rank {rank} of a {self.parallel.tensor}-rank artifact (ranks are 0 to "
                 f"{self.parallel.tensor - 1})"
             )
-        return f"{self.parallel.rank_dir(rank)}/{name}"
+        return rank_file(name, rank, self.parallel.tensor)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"

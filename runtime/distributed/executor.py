@@ -96,10 +96,12 @@ class TensorParallelExecutor:
             raise
         atexit.register(self.close)
         self.name = self.inner.name
-        self.manifest = self.inner.manifest
-        self.device = self.inner.device
-        self.block_size = self.inner.block_size
-        self.num_blocks = self.inner.num_blocks
+
+    # What the engine reads of an executor: rank 0's.
+    manifest = property(lambda self: self.inner.manifest)
+    device = property(lambda self: self.inner.device)
+    block_size = property(lambda self: self.inner.block_size)
+    num_blocks = property(lambda self: self.inner.num_blocks)
 
     def _spawn_workers(self, artifact: str, kind: str, num_blocks: int | None, env) -> None:
         context = torch.multiprocessing.get_context("spawn")

@@ -69,7 +69,10 @@ def rank_executor(
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=groups.control)
     blocks = int(agreed.item())
     if blocks == _ANY:
-        raise RuntimeError("no rank of the tensor-parallel group knows the KV pool size")
+        raise RuntimeError(
+            "no rank of the tensor-parallel group was given a KV pool size for the torch "
+            "executor: pass num_blocks (trtc serve --num-blocks, or EngineConfig.num_blocks)"
+        )
     if kind == "cuda":
         from trtc.runtime.executors.cuda_executor import CudaExecutor
 

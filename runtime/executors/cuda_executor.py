@@ -205,21 +205,23 @@ class CudaExecutor(TorchExecutor):
         return graph, inputs, logits
 
 
-class MultiTokenInputs:
-    """The static inputs of a captured step of ``batch`` sequences x ``tokens`` tokens each. A
-    step's sequences are laid out at ``tokens`` apart, each padded after its own tokens: the
-    padding writes no KV (slot -1) and sits after the real tokens, so their causal view is
-    unchanged (context lengths grow by the padding); padded sequences see ``tokens``
-    positions. ``load`` returns the rows of the logits the step asked for."""
+class StaticStepInputs:
+    """The static inputs of a captured step of ``batch`` sequences x ``tokens`` tokens each,
+    packed into two device buffers with pinned host twins: loading a step costs two
+    asynchronous host-to-device copies (not one copy per tensor plus kernels that fill the
+    padding). Padding writes no KV (slot -1) and sees ``tokens`` positions of its own."""
 
     def __init__(self, batch: int, tokens: int, max_blocks: int, device: torch.device):
         self.batch, self.tokens, self.max_blocks = batch, tokens, max_blocks
         width = batch * tokens
-        self.host64 = torch.zeros(3, width, dtype=torch.int64).pin_memory()
+        self.host64 = torch.zeros(3, width, dtype=torch.int64).pin_memory()  # ids, pos, slots
         self.host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32).pin_memory()
-        self.host_rows = torch.zeros(width, dtype=torch.int64).pin_memory()
+        self.host64[2] = -1
+        self.host32[:batch] = tokens
         self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
-        self.dev_rows = self.host_rows.to(device)
+        # Filled through numpy views of the pinned buffers: torch ops would each dispatch, and
+        # this is on a step's critical path.
+        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
         self.copied = torch.cuda.Event()
         self.tensors = {
             "input_ids": self.dev64[0],
@@ -230,10 +232,17 @@ class MultiTokenInputs:
             "query_start_loc": torch.arange(0, width + 1, tokens, dtype=torch.int32, device=device),
             "logits_indices": torch.arange(width, dtype=torch.int64, device=device),
         }
-        self.host64[2] = -1
-        self.host32[:batch] = tokens
-        self.dev64.copy_(self.host64)
-        self.dev32.copy_(self.host32)
+
+
+class MultiTokenInputs(StaticStepInputs):
+    """A step's sequences laid out ``tokens`` apart, each padded after its own tokens: the
+    padding sits after the real tokens, so their causal view is unchanged (context lengths grow
+    by the padding). ``load`` returns the rows of the logits the step asked for."""
+
+    def __init__(self, batch: int, tokens: int, max_blocks: int, device: torch.device):
+        super().__init__(batch, tokens, max_blocks, device)
+        self.host_rows = torch.zeros(batch * tokens, dtype=torch.int64).pin_memory()
+        self.dev_rows = self.host_rows.to(device)
 
     def load(self, step: StepInputs) -> torch.Tensor:
         q = self.tokens
@@ -244,7 +253,7 @@ class MultiTokenInputs:
         # Where each of the step's tokens goes: its sequence's slot of q, at its own offset.
         at = seq_of * q + (np.arange(step.num_tokens) - starts[seq_of])
         self.copied.synchronize()  # the previous step's copies have read the host buffers
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        h64, h32 = self.host64_np, self.host32_np
         last_position = step.positions.numpy()[starts[1:] - 1]
         h64[0], h64[2] = 0, -1
         h64[1] = np.repeat(np.append(last_position, np.zeros(self.batch - n, np.int64)), q)
@@ -264,38 +273,16 @@ class MultiTokenInputs:
         return self.dev_rows[: len(rows)]
 
 
-class DecodeInputs:
-    """The static inputs of one captured decode graph of ``batch`` rows, packed into two device
-    buffers with pinned host twins: loading a step costs two asynchronous host-to-device copies
-    (not one copy per tensor plus kernels that fill the padding rows).
-
-    Rows past the step's sequences are padding: no KV write (slot -1), one visible position,
-    their own query token; their logits are never read."""
+class DecodeInputs(StaticStepInputs):
+    """One captured decode graph's inputs: ``batch`` rows of one token. Rows past the step's
+    sequences are padding; their logits are never read."""
 
     def __init__(self, batch: int, max_blocks: int, device: torch.device):
-        self.batch, self.max_blocks = batch, max_blocks
-        self.host64 = torch.zeros(3, batch, dtype=torch.int64).pin_memory()  # ids, positions, slots
-        self.host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32).pin_memory()
-        self.host64[2] = -1
-        self.host32[:batch] = 1
-        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
-        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
-        self.copied = torch.cuda.Event()
-        self.tensors = {
-            "input_ids": self.dev64[0],
-            "positions": self.dev64[1],
-            "slot_mapping": self.dev64[2],
-            "block_tables": self.dev32[batch:].view(batch, max_blocks),
-            "context_lens": self.dev32[:batch],
-            "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
-            "logits_indices": torch.arange(batch, dtype=torch.int64, device=device),
-        }
+        super().__init__(batch, 1, max_blocks, device)
 
     def load(self, step: StepInputs) -> None:
         n, width = step.block_tables.shape
         self.copied.synchronize()  # the previous step's copies have read the host buffers
-        # Filled through numpy views of the pinned buffers: torch ops would each dispatch, and
-        # this is on a step's critical path.
         h64, h32 = self.host64_np, self.host32_np
         h64[0, :n], h64[1, :n] = step.input_ids.numpy(), step.positions.numpy()
         h64[2, :n] = step.slot_mapping.numpy()

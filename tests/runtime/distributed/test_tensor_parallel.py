@@ -188,24 +188,12 @@ def _biased_llama(path: Path) -> Path:
     """A Llama with o_proj and down_proj biases (added once, after the sum over ranks) and an
     intermediate size whose halves are whole INT4 groups of 32, as an HF safetensors directory
     (each rank reads slices of its tensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from trtc.compiler.tiny import byte_tokenizer
+    from trtc.compiler.tiny import byte_tokenizer, tiny_config
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=260,
-        max_position_embeddings=256,
-        attention_bias=True,
-        mlp_bias=True,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-    )
+    config = tiny_config("tiny-llama")
+    config.intermediate_size, config.attention_bias, config.mlp_bias = 256, True, True
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

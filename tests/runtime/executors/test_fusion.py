@@ -34,22 +34,15 @@ def run_steps(ex, steps):
     return [ex.execute(make_step(w, 16)).float().cpu() for w in steps]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])  # GQA; MQA with a sliding window
-def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
-    art = tiny_artifacts[name]
-    plain, fused = (
-        TorchExecutor(Artifact.open(art), 16, DEVICE),
-        FusedExecutor(Artifact.open(art), 16, DEVICE),
+def plain_and_fused(artifact) -> tuple[TorchExecutor, FusedExecutor]:
+    return (
+        TorchExecutor(Artifact.open(artifact), 16, DEVICE),
+        FusedExecutor(Artifact.open(artifact), 16, DEVICE),
     )
-    # 2 layers: q/k/v rotary + cache write per layer; every residual Add feeds a norm but the
-    # last; the gate/up projection and its SwiGLU per layer.
-    assert fused.fusions == {
-        "qkv_rotary_cache_write": 2,
-        "add_rms_norm": 3,
-        "gemm_swiglu": 2,
-        "int4_fragment": 0,
-    }
-    assert len(fused.nodes) == len(plain.nodes) - 2 * 6 - 3 - 2
+
+
+def assert_same_steps(plain, fused) -> None:
+    """A prefill of two sequences and two decode steps: same logits, same KV cache."""
     prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
     steps += [
@@ -60,15 +53,28 @@ def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
     torch.testing.assert_close(fused.kv_pool.cpu(), plain.kv_pool.cpu(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])  # GQA; MQA with a sliding window
+def test_fused_graph_matches_the_compiled_graph(tiny_artifacts, name):
+    art = tiny_artifacts[name]
+    plain, fused = plain_and_fused(art)
+    # 2 layers: q/k/v rotary + cache write per layer; every residual Add feeds a norm but the
+    # last; the gate/up projection and its SwiGLU per layer.
+    assert fused.fusions == {
+        "qkv_rotary_cache_write": 2,
+        "add_rms_norm": 3,
+        "gemm_swiglu": 2,
+        "int4_fragment": 0,
+    }
+    assert len(fused.nodes) == len(plain.nodes) - 2 * 6 - 3 - 2
+    assert_same_steps(plain, fused)
+
+
 def test_qk_norm_layers_keep_their_rotary_and_cache_write(tiny_artifacts):
     """Qwen3 normalises q and k per head between the Split and the rotary embedding, which
     `QKVRotaryCacheWrite` does not compute: those layers keep the plain nodes (and the plugin's
     own cache write) and give the same logits and cache; the other fusions still apply."""
     art = tiny_artifacts["tiny-qwen3"]
-    plain, fused = (
-        TorchExecutor(Artifact.open(art), 16, DEVICE),
-        FusedExecutor(Artifact.open(art), 16, DEVICE),
-    )
+    plain, fused = plain_and_fused(art)
     assert fused.fusions == {
         "qkv_rotary_cache_write": 0,
         "add_rms_norm": 3,
@@ -82,14 +88,7 @@ def test_qk_norm_layers_keep_their_rotary_and_cache_write(tiny_artifacts):
     # No Add feeds the per-head norms (q and k of 2 layers), the first layer's input norm (it
     # reads the embedding) or the final one (the logits rows): they stay RMSNormalization.
     assert ops.count(("", "RMSNormalization")) == 4 + 2
-    prompts, tables = [list(range(7, 47)), list(range(100, 117))], [[3, 5, 8], [1, 2]]
-    steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
-    steps += [
-        [SequenceWork([9 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)
-    ]
-    for a, b in zip(run_steps(plain, steps), run_steps(fused, steps)):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused.kv_pool.cpu(), plain.kv_pool.cpu(), atol=1e-5, rtol=1e-5)
+    assert_same_steps(plain, fused)
 
 
 @pytest.fixture(scope="module")
