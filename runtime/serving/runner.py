@@ -117,7 +117,7 @@ async def respond(
 ) -> BaseModel | Response:
     """Run one request and answer in its endpoint's shape, streamed or whole."""
     stream, first = await start(async_engine, prompt_ids, params)
-    fmt = format_cls(first.request_id, model)
+    fmt = format_cls(first.request_id, model, body.return_token_ids)
     if body.stream:
         return event_stream(stream, first, fmt, body.include_usage)
     last = await collect(request, stream, first)

@@ -118,6 +118,7 @@ async def models(state: State):
         id=state.model_name,
         max_model_len=state.engine.max_seq_len,
         vocab_size=state.engine.manifest.model.vocab_size,
+        special_token_ids=sorted(state.engine.tokenizer.all_special_ids),
     )
     return ModelList(data=[card])
 

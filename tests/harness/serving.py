@@ -24,6 +24,52 @@ PLAIN_PROMPTS = [
     "In 1969, the first humans",
 ]
 
+# Chat prompts (chat completions) of the same checks.
+CHAT = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Write a haiku about the sea.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What is the boiling point of water in Celsius?",
+]
+MAX_TOKENS = 32
+
+
+def run_request(
+    client, model, kind: str, text: str, stream: bool, max_tokens=MAX_TOKENS, **kw
+) -> tuple[str, str]:
+    """One greedy request through the official client: ``kind`` "chat" or "plain"
+    (completions), streamed or not. Returns the text and the finish reason."""
+    if kind == "chat":
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=stream,
+            **kw,
+        )
+        if not stream:
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        parts, reason = [], None
+        for c in r:
+            parts.append(c.choices[0].delta.content or "")
+            reason = c.choices[0].finish_reason or reason
+        return "".join(parts), reason
+    r = client.completions.create(
+        model=model, prompt=text, max_tokens=max_tokens, temperature=0, stream=stream, **kw
+    )
+    if not stream:
+        return r.choices[0].text, r.choices[0].finish_reason
+    parts, reason = [], None
+    for c in r:
+        parts.append(c.choices[0].text)
+        reason = c.choices[0].finish_reason or reason
+    return "".join(parts), reason
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -259,6 +259,52 @@ def test_streaming_and_plain_agree(server):
     assert reasons[-1] == plain.choices[0].finish_reason and not any(reasons[:-1])
 
 
+def test_token_ids_count_every_token_even_without_text(server):
+    """The tiny model's byte-level tokenizer decodes most ids to no text: the ``token_ids``
+    extension still accounts for every token, chunk by chunk, and agrees with the usage."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        prompt="hi", **{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    )
+    want = whole.model_dump()["choices"][0]["token_ids"]
+    assert len(want) == whole.usage.completion_tokens == 24
+    for endpoint in ("completions", "chat"):
+        ids, empty_text, usage = [], 0, None
+        create = (
+            client.completions.create
+            if endpoint == "completions"
+            else client.chat.completions.create
+        )
+        prompt = (
+            {"prompt": "hi"}
+            if endpoint == "completions"
+            else {"messages": [{"role": "user", "content": "hi"}]}
+        )
+        for chunk in create(
+            **prompt,
+            **{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}},
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            if not chunk.choices:
+                usage = chunk.usage
+                continue
+            choice = chunk.model_dump()["choices"][0]
+            ids += choice["token_ids"]
+            text = choice["text"] if endpoint == "completions" else choice["delta"].get("content")
+            empty_text += bool(choice["token_ids"]) and not text
+        assert len(ids) == usage.completion_tokens == 24, endpoint
+        assert empty_text > 0, "the check needs tokens without text"
+        if endpoint == "completions":
+            assert ids == want  # greedy: the same tokens streamed or whole
+    # Without the extension, the chunks carry no token_ids.
+    plain = client.completions.create(prompt="hi", **kw)
+    assert "token_ids" not in plain.model_dump()["choices"][0] or (
+        plain.model_dump()["choices"][0]["token_ids"] is None
+    )
+
+
 def test_metrics_exposes_serving_numbers(server):
     ok_request(server)
     text = httpx.get(f"{server.url}/metrics").text

@@ -14,22 +14,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from harness.serving import PLAIN_PROMPTS, ServerProcess
+from harness.serving import CHAT, MAX_TOKENS, PLAIN_PROMPTS, ServerProcess, run_request
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 32
 NEAR_TIE = 1e-3
-
-CHAT = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 12 times 7?",
-    "Write a haiku about the sea.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a synonym for happy.",
-    "How many legs does a spider have?",
-    "What is the boiling point of water in Celsius?",
-]
 
 
 @pytest.fixture(scope="module")
@@ -103,37 +91,6 @@ def reference(smollm2_hf, smollm2_fp32):
 
     check.chat_ids, check.plain_ids = chat_ids, plain_ids
     return check
-
-
-def run_request(
-    client, model, kind: str, text: str, stream: bool, max_tokens=MAX_TOKENS, **kw
-) -> tuple[str, str]:
-    if kind == "chat":
-        r = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": text}],
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=stream,
-            **kw,
-        )
-        if not stream:
-            return r.choices[0].message.content, r.choices[0].finish_reason
-        parts, reason = [], None
-        for c in r:
-            parts.append(c.choices[0].delta.content or "")
-            reason = c.choices[0].finish_reason or reason
-        return "".join(parts), reason
-    r = client.completions.create(
-        model=model, prompt=text, max_tokens=max_tokens, temperature=0, stream=stream, **kw
-    )
-    if not stream:
-        return r.choices[0].text, r.choices[0].finish_reason
-    parts, reason = [], None
-    for c in r:
-        parts.append(c.choices[0].text)
-        reason = c.choices[0].finish_reason or reason
-    return "".join(parts), reason
 
 
 def test_16_concurrent_requests_match_transformers(client, model_name, reference, server):
