@@ -17,7 +17,7 @@ import torch
 
 import trtc
 from trtc import contract
-from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest, rank_file
+from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest, rank_file, write_manifest
 from trtc.compiler import writer
 from trtc.compiler.architectures import geometry_from_config
 from trtc.compiler.config import BuildConfig
@@ -397,7 +397,7 @@ def build(
         manifest.files = writer.file_records(staging, hashes)
         manifest.build["duration_s"] = round(time.perf_counter() - started, 1)
         manifest.build["memory"] = progress.memory_record()
-        writer.write_manifest(staging, manifest)
+        write_manifest(staging, manifest)
         progress.log(
             f"built {out_dir} in {time.perf_counter() - started:.1f}s, peak resident memory "
             f"{gb(progress.peak_bytes)} ({gb(loaded.weights.nbytes)} of weights in the checkpoint)"

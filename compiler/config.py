@@ -10,7 +10,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trtc.compiler.targets import architecture_profiles, quantization_format
+from trtc.architectures import architecture_profiles
+from trtc.compiler.targets import quantization_format
 from trtc.compiler.tiny import TINY_MODELS
 from trtc.errors import ConfigError
 

@@ -117,6 +117,7 @@ def inspect_artifact(
             ", ".join(f"{o}->{i}" for o, i in p["aliases"].items()),
         )
     console.print(plugins)
+    _print_tuning(console, m)
 
     engines = m.engines
     if not engines:
@@ -141,6 +142,28 @@ def inspect_artifact(
         )
     console.print(table)
     return m
+
+
+def _print_tuning(console, m) -> None:
+    """The architectures `trtc tune` shipped kernels for, and what they were made with."""
+    if not m.tuning:
+        console.print("tuned for: none (the CUDA executor compiles its kernels at start)")
+        return
+    table = Table(title="tuned for (trtc tune)", title_justify="left")
+    for col in ("arch", "GPU", "Triton", "torch", "CUDA", "kernels", "created"):
+        table.add_column(col)
+    for arch, t in sorted(m.tuning.items()):
+        kernels = m.files.get(t.kernels)
+        table.add_row(
+            arch,
+            t.device,
+            t.triton,
+            t.torch,
+            t.cuda or "-",
+            _mb(kernels.bytes) if kernels else "missing",
+            t.created,
+        )
+    console.print(table)
 
 
 def host_can_run(engine: EngineRecord) -> str:

@@ -1,19 +1,9 @@
-"""GPU architecture profiles, read from ``configs/architectures.yaml`` (their one source)."""
+"""Build targets checked against the GPU architecture profiles (`trtc.architectures`)."""
 
 from __future__ import annotations
 
-from functools import cache
-from importlib import resources
-
-import yaml
-
+from trtc.architectures import architecture_profiles
 from trtc.errors import ConfigError
-
-
-@cache
-def architecture_profiles() -> dict[str, dict]:
-    text = resources.files("trtc.configs").joinpath("architectures.yaml").read_text()
-    return yaml.safe_load(text)
 
 
 def check_known(targets: list[str]) -> None:

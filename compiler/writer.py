@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import torch
 
-from trtc.artifact import BUILD_LOG, MANIFEST, MODEL_FILE, WEIGHTS_FILE, Manifest, sha256_file
+from trtc.artifact import BUILD_LOG, MANIFEST, MODEL_FILE, WEIGHTS_FILE, sha256_file
 from trtc.compiler.weights import LazyWeight, weight_id
 from trtc.errors import ConfigError
 
@@ -203,7 +203,3 @@ def file_records(directory: Path, known: Mapping[str, str] | None = None) -> dic
                 "sha256": known.get(name) or sha256_file(p),
             }
     return records
-
-
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    (directory / MANIFEST).write_text(manifest.to_json())

@@ -182,8 +182,21 @@ def test_inspect_shows_what_is_inside(tiny_artifacts):
     ):
         assert fact in text, fact
     assert "1,024 bytes/token" in text  # 2 (K,V) x 2 layers x 4 KV heads x 16 dims x 4 bytes
+    assert "tuned for: none" in text
     as_json = json.loads(run("inspect", "--json", str(tiny_artifacts["tiny-qwen2"])).stdout)
     assert as_json["model"]["architecture"] == "Qwen2ForCausalLM"
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine with no GPU"
+)
+def test_tune_without_a_gpu_says_where_to_run_it(tiny_artifacts, tmp_path):
+    r = run("tune", str(tiny_artifacts["tiny-llama"]))
+    assert r.returncode == 1
+    assert "run it on a machine with that GPU" in r.stderr
+    r = run("build", str(write_config(tmp_path, TINY)), "-o", str(tmp_path / "out"), "--tune")
+    assert r.returncode == 1 and "trtc tune ARTIFACT" in r.stderr
+    assert not (tmp_path / "out").exists()  # refused before building
 
 
 def test_inspect_refuses_tampered_artifact(tiny_artifacts, tmp_path):

@@ -4,13 +4,15 @@ An artifact is a directory with a versioned ``manifest.json`` (typed below: `Man
 files it records (graph, weights, tokenizer, engines), each with its size and sha256.
 `Artifact.open` reads and checks the manifest once; the object is passed down to whoever needs
 the files, and `Artifact.verify` hashes each file at most once, when it is first loaded.
-Writing lives with the compiler (`trtc.compiler.writer`); this module only defines and reads.
+The graph and weights are written by the compiler (`trtc.compiler.writer`); `trtc tune` adds
+per-architecture kernels (``tuning/``). Both replace the manifest through `write_manifest`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,20 @@ def rank_file(name: str, rank: int, ranks: int) -> str:
     return name if ranks == 1 else f"rank{rank}/{name}"
 
 
+class TuningRecord(_Section):
+    """`trtc tune` on one GPU architecture: where its choices and compiled kernels are (both
+    listed with their sha256 under ``files``), and what they were made with; a server on
+    another GPU, Triton, torch or CUDA version ignores them (and compiles at start)."""
+
+    device: str  # the GPU it was tuned on, e.g. "NVIDIA H100 80GB HBM3"
+    triton: str
+    torch: str
+    cuda: str | None
+    created: str
+    file: str  # tuning/<arch>.json: the choices and the timings behind them
+    kernels: str  # tuning/<arch>.kernels.tar: Triton's compiled kernels for these shapes
+
+
 class FileRecord(_Section):
     bytes: int
     sha256: str
@@ -221,6 +237,8 @@ class Manifest(BaseModel):
         default_factory=ParallelLayout, exclude_if=lambda p: p.tensor == 1
     )
     engines: list[EngineRecord] = []
+    # `trtc tune`: by architecture name (sm90, ...); absent until an artifact is tuned.
+    tuning: dict[str, TuningRecord] = Field(default_factory=dict, exclude_if=lambda t: not t)
     files: dict[str, FileRecord] = {}
 
     def rank_file(self, name: str, rank: int = 0) -> str:
@@ -234,6 +252,14 @@ class Manifest(BaseModel):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+
+def write_manifest(directory: str | Path, manifest: Manifest) -> None:
+    """Replace ``manifest.json`` atomically: a reader sees the old one or the new one whole."""
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, path)
 
 
 def read_manifest(directory: str | Path) -> Manifest:

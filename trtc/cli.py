@@ -72,6 +72,12 @@ def build(
         False, "--force", help="replace an existing artifact at the output path"
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+    tune_after: bool = typer.Option(
+        False,
+        "--tune",
+        help="then run `trtc tune` on the result (this machine's GPU: ship its compiled "
+        "kernels and kernel choices in the artifact)",
+    ),
 ):
     """Compile a model: load -> export to ONNX -> graph passes -> artifact.
 
@@ -79,6 +85,16 @@ def build(
     at the output path only when the whole build succeeded."""
     from trtc.compiler.config import load_config
 
+    if tune_after:
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail(
+                ValueError(
+                    "--tune compiles and times kernels on this machine's GPU, and it has none; "
+                    "build without --tune here, then run `trtc tune ARTIFACT` on the target GPU"
+                )
+            )
     with _all_or_nothing():
         cfg = load_config(config)  # fast: a bad config fails before torch is imported
         from trtc.compiler.build import build as run_build
@@ -88,6 +104,34 @@ def build(
         out = run_build(cfg, output=output, force=force, progress=progress)
     if not quiet:
         err.print(f"artifact: {out}   (inspect it with: trtc inspect {out})")
+    if tune_after:
+        # Its own process: Triton must start from an empty cache for the archive to hold only
+        # this model's kernels (a build may have compiled others).
+        import subprocess
+        import sys
+
+        raise typer.Exit(subprocess.call([sys.executable, "-m", "trtc", "tune", str(out)]))
+
+
+@app.command()
+def tune(
+    artifact: Path = typer.Argument(..., help="artifact directory written by `trtc build`"),
+):
+    """Tune an artifact for this machine's GPU, as a build farm's last step: time the kernel
+    variants the CUDA executor chooses between (programmatic dependent launch, GEMV or cuBLAS
+    for small decode batches) at the model's shapes, compile every kernel serving launches, and
+    store both under tuning/<arch> in the artifact (hashed in the manifest). `trtc serve` on the
+    same GPU architecture, Triton, torch and CUDA then compiles and times nothing at start;
+    anywhere else it warns and compiles as before. Run it again after upgrading them."""
+    import logging
+
+    from trtc.runtime.tune import tune_artifact
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        tune_artifact(artifact, log=err.print)
+    except TrtcError as e:
+        _fail(e)
 
 
 @app.command()

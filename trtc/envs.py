@@ -50,6 +50,11 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "0: the cuda executor keeps INT4 weights in the stored plugin layout instead of the "
         "fragment kernel's",
     ),
+    "TRTC_TUNING": (
+        _flag("TRTC_TUNING", True),
+        "0: the cuda executor ignores an artifact's `trtc tune` kernels and choices (compiles "
+        "at start, as for an untuned artifact)",
+    ),
     "TRTC_GEMV_MAX_TOKENS": (
         _int("TRTC_GEMV_MAX_TOKENS", 2),
         "projections of at most this many tokens run the Triton GEMV, longer ones cuBLAS (0: "
@@ -67,10 +72,19 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "TRTC_CACHE_DIR": (
         _path("TRTC_CACHE_DIR"),
-        "where full-TensorRT builds keep their timing caches (default $XDG_CACHE_HOME/trtc or "
+        "where full-TensorRT builds keep their timing caches and `trtc serve` unpacks a tuned "
+        "artifact's kernels (default $XDG_CACHE_HOME/trtc or "
         "~/.cache/trtc)",
     ),
 }
+
+
+def cache_dir() -> Path:
+    """``$TRTC_CACHE_DIR``, else ``$XDG_CACHE_HOME/trtc``, else ``~/.cache/trtc``."""
+    return (
+        ENVIRONMENT["TRTC_CACHE_DIR"][0]()
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtc"
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -22,9 +22,10 @@ from pathlib import Path
 import onnx
 
 from trtc import artifact, envs
+from trtc.architectures import architecture_profiles
 from trtc.artifact import Limits, Manifest, TensorRecord
 from trtc.compiler.backends.tensorrt_rtx import build_plan, engine_record, network_io, parse_network
-from trtc.compiler.targets import architecture_profiles, check_known, describe_targets
+from trtc.compiler.targets import check_known, describe_targets
 from trtc.contract import (
     MAX_BLOCKS,
     NUM_BLOCKS,
@@ -178,11 +179,7 @@ def timing_cache_path(
 ) -> Path:
     """``$TRTC_CACHE_DIR`` or ``$XDG_CACHE_HOME/trtc`` or ``~/.cache/trtc``, then
     ``timing/<target>-tensorrt-<version>[-ampere_plus].cache``."""
-    root = (
-        cache_dir
-        or envs.TRTC_CACHE_DIR
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtc"
-    )
+    root = cache_dir or envs.cache_dir()
     suffix = "" if hardware_compatibility == "none" else f"-{hardware_compatibility}"
     return Path(root) / "timing" / f"{target}-{BACKEND}-{trt_version}{suffix}.cache"
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import onnx
 
 from trtc import slot_contract as slot
+from trtc.architectures import architecture_profiles
 from trtc.artifact import Limits, sha256_file
-from trtc.compiler.targets import architecture_profiles, check_known, describe_targets
+from trtc.compiler.targets import check_known, describe_targets
 from trtc.errors import BuildError, ConfigError
 from trtc.plugins.tensorrt.logger import make_logger
 

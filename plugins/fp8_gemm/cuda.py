@@ -28,6 +28,7 @@ import functools
 
 import torch
 
+from trtc.architectures import has_feature
 from trtc.plugins.fp8_gemm.reference import check_shapes, to_fp8
 from trtc.plugins.fp8_gemm.reference import fp8_gemm as reference
 
@@ -45,7 +46,7 @@ def has_fp8_matmul(device: torch.device) -> bool:
 
 @functools.cache
 def _has_fp8_matmul(device_index: int) -> bool:
-    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device_index) >= (8, 9)
+    return hasattr(torch, "_scaled_mm") and has_feature(device_index, "fp8_matmul")
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:

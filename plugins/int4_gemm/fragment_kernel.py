@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.architectures import has_feature
 from trtc.plugins.int4_gemm.reference import unpack_int4
 from trtc.plugins.int4_gemm.triton_kernels import _interpreting
 from trtc.plugins.kernels import pdl
@@ -100,7 +101,7 @@ def device_supports(device: torch.device) -> bool:
     Triton's CPU interpreter, which runs the portable version)."""
     if device.type != "cuda":
         return _interpreting()
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    return has_feature(device, "mma_fragments")
 
 
 def fragment_supports(out_features: int, in_features: int, group_size: int) -> str | None:

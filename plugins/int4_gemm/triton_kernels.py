@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.architectures import has_feature
 from trtc.plugins.kernels import pdl
 from trtc.plugins.kernels.arrival_counters import arrival_counters
 
@@ -839,7 +840,7 @@ def default_plan(
 
 @functools.cache
 def _bulk_prefetch_on(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return has_feature(device_index, "bulk_prefetch")
 
 
 def _has_bulk_prefetch(device: torch.device) -> bool:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from trtc import envs
+from trtc.architectures import has_feature
 
 _enabled: bool | None = None  # None: TRTC_PDL, read at the first launch
 
@@ -60,7 +61,7 @@ def _device_has_pdl(index: int) -> bool:
     return (
         "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
         and hasattr(tl.extra.cuda, "gdc_wait")
-        and torch.cuda.get_device_capability(index)[0] >= 9
+        and has_feature(index, "pdl")
     )
 
 

@@ -18,6 +18,7 @@ from trtc.runtime.core.block_manager import BlockManager
 from trtc.runtime.core.sampler import Sampler, make_generator
 from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
 from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
+from trtc.runtime.core.startup import StartupPhases, seconds_since_process_start
 from trtc.runtime.engine.output_processor import OutputProcessor
 from trtc.runtime.engine.outputs import (
     EngineCounters,
@@ -30,6 +31,9 @@ from trtc.runtime.engine.token_readback import LaunchedStep, TokenReadback
 from trtc.runtime.executors import create_executor, default_num_blocks
 
 log = logging.getLogger("trtc.engine")
+
+# The first engine of a process reports the interpreter and imports before it as a phase.
+_first_engine = True
 
 # Tokens that end a chat turn in the families trtc serves, beside the tokenizer's own EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
@@ -58,7 +62,17 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, artifact: str | Path | Artifact, config: EngineConfig | None = None):
-        from transformers import AutoTokenizer
+        global _first_engine
+        started = time.perf_counter()
+        self.startup = StartupPhases()
+        if _first_engine and (before := seconds_since_process_start()) is not None:
+            self.startup.record("interpreter and imports", before)
+        _first_engine = False
+        before_engine = sum(self.startup.seconds.values())
+        with self.startup.phase("interpreter and imports"):
+            from transformers import AutoTokenizer
+
+            from trtc.runtime.executors import torch_executor  # noqa: F401  (onnx, torch ops)
 
         self.config = config = config or EngineConfig()
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact)
@@ -66,7 +80,8 @@ class LLMEngine:
         limits = self.manifest.limits
         self.model_name = self.manifest.name
         self.max_seq_len = limits.max_seq_len
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.artifact.tokenizer_dir))
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.artifact.tokenizer_dir))
         on_gpu = config.executor == "cuda" or (
             config.executor == "auto" and torch.cuda.is_available()
         )
@@ -78,6 +93,8 @@ class LLMEngine:
         # A draft model's executor first: on a GPU the target's pool takes what it leaves.
         self.proposer = self._make_proposer(config)
         self.executor = create_executor(config.executor, self.artifact, num_blocks, config.device)
+        if getattr(self.executor, "startup", None) is not None:
+            self.startup.update(self.executor.startup)
         if self.proposer is not None and self.executor.name == "tensorrt":
             raise ValueError(
                 "speculative decoding needs the logits of several tokens a sequence, which the "
@@ -105,6 +122,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.counters = EngineCounters()
         self.last_step: StepSummary | None = None
+        # What no phase above accounts for: the artifact, pool sizing, scheduler, sampler.
+        timed = sum(self.startup.seconds.values()) - before_engine
+        self.startup.record("engine", time.perf_counter() - started - timed)
+        log.info("engine ready: %s", self.startup.summary())
 
     def _async_scheduling(self, wanted: bool | None) -> bool:
         able = getattr(self.executor, "takes_device_input_ids", False)

@@ -18,12 +18,15 @@ import torch
 
 from trtc import envs
 from trtc.artifact import Artifact, Manifest
-from trtc.contract import StepInputs
+from trtc.contract import SequenceWork, StepInputs, make_step
+from trtc.runtime.core.startup import StartupPhases
 from trtc.runtime.executors.fusions import RUNTIME_OPS, fuse
 from trtc.runtime.executors.fusions.int4_fragment import int4_fragment_bytes
 from trtc.runtime.executors.graph import GraphNode
 from trtc.runtime.executors.torch_executor import TorchExecutor
 from trtc.runtime.executors.torch_ops import ONNX_OPS
+from trtc.runtime.executors.tuning import apply as apply_tuning
+from trtc.runtime.executors.tuning import load_tuning
 
 log = logging.getLogger("trtc.executor")
 
@@ -66,7 +69,18 @@ class CudaExecutor(TorchExecutor):
         fuse_kernels: bool = True,
         int4_fragments: bool | None = None,
         rank: int = 0,
+        use_tuning: bool = True,
     ):
+        self.startup = StartupPhases()
+        with self.startup.phase("cuda context"):
+            torch.cuda.init()
+            torch.empty(1, device=device)  # the context and the caching allocator
+        # Before anything launches a Triton kernel: a tuned artifact's kernels and choices.
+        with self.startup.phase("kernels"):
+            use_tuning = use_tuning and envs.TRTC_TUNING
+            self.tuning = load_tuning(artifact, torch.device(device)) if use_tuning else None
+            if self.tuning is not None:
+                apply_tuning(self.tuning)
         self.fuse_kernels = fuse_kernels
         # The INT4 Linears held in the fragment layout instead of the plugin's
         # (fusions/int4_fragment.py): faster decode steps, prefill through a dequantized
@@ -82,7 +96,8 @@ class CudaExecutor(TorchExecutor):
         limits = manifest.limits
         self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
         top = min(max_graph_batch or limits.max_num_seqs, limits.max_num_seqs)
-        self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= top] or [1]
+        sizes = (self.tuning and self.tuning.graph_batch_sizes) or GRAPH_BATCH_SIZES
+        self.graph_sizes = [b for b in sizes if b <= top] or [1]
         if self.graph_sizes[-1] < top:
             self.graph_sizes.append(top)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
@@ -90,8 +105,14 @@ class CudaExecutor(TorchExecutor):
         # short chunks), captured the first time a shape is met: (batch, tokens) -> graph.
         self.multi_graphs: dict[tuple[int, int], tuple] = {}
         self._multi_pool = None
+        with self.startup.phase(
+            "kernels",
+            "loaded from the artifact's tuning" if self.tuning else "compiled (not tuned here)",
+        ):
+            self.warm_up()
         if use_cuda_graphs:
-            self.capture_graphs()
+            with self.startup.phase("graphs", f"{len(self.graph_sizes)} decode batch sizes"):
+                self.capture_graphs()
 
     @staticmethod
     def pool_blocks(
@@ -116,6 +137,25 @@ class CudaExecutor(TorchExecutor):
         self.fusions = dict(counts)
         log.info("fused kernels: %s", ", ".join(f"{k} x{v}" for k, v in counts.items()))
         return graph
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run a prefill step and a mixed prefill + decode step eagerly, so the kernels of
+        those paths are compiled (or loaded from a tuned artifact's kernels) before the first
+        request instead of during it. Writes KV only into the first blocks, before any
+        sequence owns them."""
+        per_block = self.block_size
+        blocks = list(range(min(self.num_blocks, -(-48 // per_block))))
+        if len(blocks) * per_block < 48:
+            return  # a pool this small is a test's: nothing to gain
+        prompt = list(range(1, 33))
+        steps = [
+            [SequenceWork(prompt, 0, blocks)],
+            [SequenceWork(prompt[:15], 32, blocks), SequenceWork([7], 16, blocks)],
+        ]
+        for work in steps:
+            self.forward(make_step(work, per_block).to(self.device).as_dict())
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

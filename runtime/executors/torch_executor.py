@@ -6,6 +6,8 @@ TensorRT plugin aliases it."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import onnx
 import torch
@@ -14,6 +16,7 @@ from onnx import numpy_helper
 from trtc.artifact import MODEL_FILE, WEIGHTS_FILE, Artifact
 from trtc.contract import StepInputs, kv_input_name, kv_output_name, kv_pool
 from trtc.errors import ArtifactError
+from trtc.runtime.core.startup import StartupPhases
 from trtc.runtime.executors.graph import GraphNode, OpTable
 from trtc.runtime.executors.torch_ops import ONNX_OPS
 
@@ -52,11 +55,24 @@ class TorchExecutor:
         self.artifact = artifact
         self.manifest = artifact.manifest  # read on every load and by benchmarks
         self.rank = rank
+        # A subclass may have timed phases before this one (the CUDA context).
+        self.startup: StartupPhases = getattr(self, "startup", None) or StartupPhases()
         files = [self.manifest.rank_file(name, rank) for name in (MODEL_FILE, WEIGHTS_FILE)]
-        artifact.verify(files)
         self.device = torch.device(device)
-        model = onnx.load(str(artifact.file(files[0])))
-        self._load_graph(model)
+        weight_bytes = artifact.file(files[1]).stat().st_size
+        with self.startup.phase("weights") as phases:
+            start = time.perf_counter()
+            artifact.verify(files)
+            model = onnx.load(str(artifact.file(files[0])))
+            self._load_graph(model)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+            phases.note(
+                "weights",
+                f"{weight_bytes / 1e9:.2f} GB checked, read and placed on {self.device.type} at "
+                f"{weight_bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s",
+            )
         kv = self.manifest.kv_cache
         self.block_size = kv.block_size
         self.num_blocks = num_blocks

@@ -64,6 +64,13 @@ class EngineMetrics(EngineObserver):
             "Tokens a verifying sequence gains per step: accepted drafts + 1, on average",
             registry=r,
         )
+        self.startup = Gauge(
+            "trtc_startup_seconds",
+            "Seconds each start-up phase took (interpreter and imports, CUDA context, weights, "
+            'kernels, graphs, ...); phase="ready": process start to serving',
+            ["phase"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "trtc_time_to_first_token_seconds",
             "Time to first token",
@@ -91,6 +98,10 @@ class EngineMetrics(EngineObserver):
             "accepted": 0,
             "verifications": 0,
         }
+
+    def observe_startup(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self.startup.labels(phase).set(seconds)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Copy the engine's gauges and counters after a step (called from the engine thread)."""

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from trtc.runtime.core.startup import seconds_since_process_start
 from trtc.runtime.engine import LLMEngine
 from trtc.runtime.engine.async_engine import AsyncEngine
 from trtc.runtime.serving.metrics import EngineMetrics
@@ -176,12 +177,18 @@ async def _lifespan(app: FastAPI):
     state: ServerState = app.state.trtc
     state.async_engine.start()
     stats = state.engine.stats()
+    phases = dict(state.engine.startup.seconds)
+    ready = seconds_since_process_start()
+    if ready is not None:
+        phases["ready"] = ready
+    state.metrics.observe_startup(phases)
     log.info(
-        "serving %s (%s executor, %d KV blocks of %d tokens)",
+        "serving %s (%s executor, %d KV blocks of %d tokens)%s",
         state.model_name,
         stats.executor,
         stats.kv_blocks_total,
         stats.block_size,
+        f", ready {ready:.2f} s after the process started" if ready is not None else "",
     )
     yield
     state.async_engine.stop()

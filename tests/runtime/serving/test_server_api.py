@@ -365,3 +365,15 @@ def test_sigterm_drains_in_flight_requests(tiny_artifacts, tmp_path):
     srv.stop()
     log = srv.log()
     assert "Shutting down" in log and "Finished server process" in log
+
+
+def test_startup_phases_are_logged_and_exported(server):
+    m = server.metrics()
+    phases = {
+        k[len('trtc_startup_seconds{phase="') : -2]: v for k, v in m.items() if "startup" in k
+    }
+    assert {"interpreter and imports", "tokenizer", "weights", "engine", "ready"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
+    # Ready (process start to serving) covers the phases before it.
+    assert phases["ready"] >= sum(v for k, v in phases.items() if k != "ready") - 0.05
+    assert "start-up: weights" in server.log() and "ready " in server.log()

@@ -1,0 +1,127 @@
+"""Time to serve: `trtc serve ARTIFACT` from process start to a healthy ``/health``, then the
+first request (8 tokens), for a tuned artifact against the same artifact untuned, in one run.
+
+Each case is a fresh server process. ``untuned``: ``TRTC_TUNING=0`` and an empty Triton cache
+(what a new replica of an untuned artifact meets: every kernel compiled at start). ``tuned``:
+the artifact's `trtc tune` kernels, unpacked into an empty trtc cache (what a new replica
+meets: the unpacking is counted). The server's own start-up phases (``trtc_startup_seconds``
+on /metrics) are printed beside the wall-clock figures.
+
+    python3 benchmarks/startup.py ARTIFACT [--repeats 2] [--json FILE]
+
+The weights are read from the page cache when the file was read recently (a build or an
+earlier case); ``--drop-caches`` asks the kernel to drop it first (root only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+FIRST = {"model": "m", "prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def serve_once(artifact: str, env: dict, log_path: str) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trtc", "serve", artifact, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        healthy = time.perf_counter() - start
+        t = time.perf_counter()
+        r = httpx.post(f"{url}/v1/completions", json=FIRST, timeout=120)
+        first = time.perf_counter() - t
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        t = time.perf_counter()
+        httpx.post(f"{url}/v1/completions", json={**FIRST, "prompt": "hello again"}, timeout=120)
+        second = time.perf_counter() - t
+        phases = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("trtc_startup_seconds{"):
+                name = line.split('phase="', 1)[1].split('"', 1)[0]
+                phases[name] = float(line.rsplit(" ", 1)[1])
+        return {
+            "healthy_s": healthy,
+            "first_request_s": first,
+            "second_request_s": second,
+            "phases": phases,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("artifact")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    manifest = json.load(open(os.path.join(args.artifact, "manifest.json")))
+    if not manifest.get("tuning"):
+        ap.error(f"{args.artifact} is not tuned: run `trtc tune {args.artifact}` first")
+    rows = []
+    for repeat in range(args.repeats):
+        for case in ("untuned", "tuned"):
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {"TRTC_CACHE_DIR": os.path.join(tmp, "trtc")}
+                if case == "untuned":
+                    env |= {"TRTC_TUNING": "0", "TRITON_CACHE_DIR": os.path.join(tmp, "triton")}
+                dropped = drop_caches() if args.drop_caches else False
+                r = serve_once(args.artifact, env, os.path.join(tmp, "server.log"))
+            r |= {"case": case, "repeat": repeat, "page_cache_dropped": dropped}
+            rows.append(r)
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+            print(
+                f"{case:8s} healthy after {r['healthy_s']:.2f} s, first request (8 tokens) "
+                f"{1000 * r['first_request_s']:.0f} ms, second {1000 * r['second_request_s']:.0f}"
+                f" ms; phases (s): {phases}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

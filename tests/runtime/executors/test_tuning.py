@@ -1,0 +1,151 @@
+"""A tuned artifact's loader decides, without a GPU, whether its kernels can serve here: the
+same architecture, Triton, torch and CUDA, files whole. Anything else is a warning and None
+(the executor then compiles at start: it still serves)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tarfile
+
+import pytest
+
+from trtc.artifact import (
+    Artifact,
+    FileRecord,
+    TuningRecord,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
+from trtc.runtime.executors.tuning import (
+    KernelEnvironment,
+    Tuning,
+    kernel_cache,
+    load_tuning,
+    tuning_files,
+)
+from trtc.runtime.tune import pack
+
+HERE = KernelEnvironment(
+    arch="sm90", device="NVIDIA H100 80GB HBM3", triton="3.6.0", torch="2.11.0", cuda="13.0"
+)
+
+
+@pytest.fixture
+def tuned(tiny_artifacts, tmp_path, monkeypatch):
+    """A copy of the tiny artifact with a tuning for HERE: one fake compiled kernel."""
+    monkeypatch.setenv("TRTC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-default"))
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifacts["tiny-llama"], art)
+    (art / "tuning").mkdir()
+    kernels = tmp_path / "k"
+    (kernels / "ABC").mkdir(parents=True)
+    (kernels / "ABC" / "kernel.cubin").write_bytes(b"\x7fELF fake cubin")
+    json_name, tar_name = tuning_files("sm90")
+    pack(kernels, art / tar_name)
+    choices = Tuning(pdl=False, gemv_max_tokens=4, graph_batch_sizes=[1, 2, 4])
+    (art / json_name).write_text(json.dumps({"choices": choices.to_json()}))
+    m = read_manifest(art)
+    for name in (json_name, tar_name):
+        m.files[name] = FileRecord(
+            bytes=(art / name).stat().st_size, sha256=sha256_file(art / name)
+        )
+    m.tuning = {
+        "sm90": TuningRecord(
+            device=HERE.device,
+            triton=HERE.triton,
+            torch=HERE.torch,
+            cuda=HERE.cuda,
+            created="2026-12-05T00:00:00+00:00",
+            file=json_name,
+            kernels=tar_name,
+        )
+    }
+    write_manifest(art, m)
+    yield art
+    try:
+        import triton
+
+        triton.knobs.cache.dir = None  # load_tuning set it for the process
+    except AttributeError:
+        pass
+
+
+def test_matching_tuning_installs_its_kernels_for_triton(tuned, caplog):
+    import torch
+
+    tuning = load_tuning(Artifact.open(tuned), torch.device("cpu"), HERE)
+    assert tuning == Tuning(pdl=False, gemv_max_tokens=4, graph_batch_sizes=[1, 2, 4])
+    sha = read_manifest(tuned).files[tuning_files("sm90")[1]].sha256
+    cache = kernel_cache(sha)
+    assert (cache / "ABC" / "kernel.cubin").read_bytes() == b"\x7fELF fake cubin"
+    assert os.environ["TRITON_CACHE_DIR"] == str(cache)
+    # A second replica finds them unpacked.
+    assert load_tuning(Artifact.open(tuned), torch.device("cpu"), HERE) == tuning
+
+
+@pytest.mark.parametrize(
+    "here, why",
+    [
+        (KernelEnvironment("sm80", "NVIDIA A100", "3.6.0", "2.11.0", "13.0"), "tuned for sm90"),
+        (
+            KernelEnvironment("sm90", HERE.device, "3.5.1", "2.11.0", "13.0"),
+            "Triton 3.6.0 (here 3.5.1)",
+        ),
+        (
+            KernelEnvironment("sm90", HERE.device, "3.6.0", "2.10.0", "13.0"),
+            "torch 2.11.0 (here 2.10.0)",
+        ),
+        (
+            KernelEnvironment("sm90", HERE.device, "3.6.0", "2.11.0", "12.8"),
+            "CUDA 13.0 (here 12.8)",
+        ),
+    ],
+)
+def test_another_gpu_or_version_is_refused_with_a_warning(tuned, caplog, here, why):
+    import torch
+
+    with caplog.at_level(logging.WARNING, logger="trtc.tuning"):
+        assert load_tuning(Artifact.open(tuned), torch.device("cpu"), here) is None
+    assert why in caplog.text and "compiled at start" in caplog.text
+    assert os.environ["TRITON_CACHE_DIR"].endswith("triton-default")  # left alone
+
+
+def test_damaged_kernels_are_refused_with_a_warning(tuned, caplog):
+    import torch
+
+    tar_name = tuning_files("sm90")[1]
+    data = bytearray((tuned / tar_name).read_bytes())
+    data[700] ^= 0xFF
+    (tuned / tar_name).write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="trtc.tuning"):
+        assert load_tuning(Artifact.open(tuned), torch.device("cpu"), HERE) is None
+    assert "sha256" in caplog.text and "compiled at start" in caplog.text
+
+
+def test_untuned_artifact_loads_nothing(tiny_artifacts, caplog):
+    import torch
+
+    with caplog.at_level(logging.INFO, logger="trtc.tuning"):
+        assert (
+            load_tuning(Artifact.open(tiny_artifacts["tiny-llama"]), torch.device("cpu"), HERE)
+            is None
+        )
+    assert "not tuned" in caplog.text
+
+
+def test_archive_is_the_same_for_the_same_kernels(tmp_path):
+    src = tmp_path / "k"
+    (src / "B").mkdir(parents=True)
+    (src / "A.json").write_text("{}")
+    (src / "B" / "x.cubin").write_bytes(b"1234")
+    pack(src, tmp_path / "one.tar")
+    os.utime(src / "A.json", (1, 1))
+    pack(src, tmp_path / "two.tar")
+    assert (tmp_path / "one.tar").read_bytes() == (tmp_path / "two.tar").read_bytes()
+    with tarfile.open(tmp_path / "one.tar") as tar:
+        assert tar.getnames() == ["A.json", "B/x.cubin"]

@@ -1,0 +1,67 @@
+"""`trtc tune` on the GPU: the tuned artifact serves from its shipped kernels (nothing compiled),
+gives the same tokens, and a tuning recorded for another Triton is ignored with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from trtc.artifact import read_manifest, write_manifest
+from trtc.runtime.executors.tuning import kernel_cache
+
+pytestmark = pytest.mark.gpu
+
+
+def trtc(*args, env):
+    return subprocess.run(
+        [sys.executable, "-m", "trtc", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+    )
+
+
+def files_under(path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def test_tuned_artifact_serves_without_compiling(tiny_artifacts, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifacts["tiny-llama"], art)
+    env = {"TRTC_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_DIR": str(tmp_path / "t")}
+    r = trtc("tune", str(art), env=env)
+    assert r.returncode == 0, r.stderr
+    m = read_manifest(art)
+    ((arch, record),) = m.tuning.items()
+    record_json = json.loads((art / record.file).read_text())
+    assert record_json["kernels"]["files"] > 0 and "pdl" in record_json["timings"]
+    r = trtc("inspect", str(art), env=env)
+    assert arch in r.stdout and record.triton in r.stdout
+
+    generate = ("generate", str(art), "Hello", "-n", "8", "--executor", "cuda")
+    plain = trtc(*generate, env={**env, "TRTC_TUNING": "0"})
+    assert plain.returncode == 0, plain.stderr
+    first = trtc(*generate, env=env)  # unpacks the kernels
+    assert first.returncode == 0, first.stderr
+    assert "compiled at start" not in first.stderr  # the loader's warnings when it cannot
+    cache = kernel_cache(m.files[record.kernels].sha256)
+    assert cache.is_dir()
+    before = files_under(cache)
+    again = trtc(*generate, env=env)
+    assert again.returncode == 0, again.stderr
+    assert files_under(cache) == before, "a tuned start compiled kernels"
+    assert again.stdout == first.stdout == plain.stdout
+
+    # The same tuning, recorded as made with another Triton: ignored, and it still serves.
+    m.tuning[arch] = record.model_copy(update={"triton": "0.0.1"})
+    write_manifest(art, m)
+    other = trtc(*generate, env=env)
+    assert other.returncode == 0, other.stderr
+    assert "ignoring" in other.stderr and "Triton 0.0.1" in other.stderr
+    assert other.stdout == plain.stdout
