@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,12 @@ class EngineConfig:
     speculative_max_batch: int = 8
 
 
+def _load_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
 class LLMEngine:
     def __init__(self, artifact: str | Path | Artifact, config: EngineConfig | None = None):
         global _first_engine
@@ -69,19 +76,21 @@ class LLMEngine:
             self.startup.record("interpreter and imports", before)
         _first_engine = False
         before_engine = sum(self.startup.seconds.values())
-        with self.startup.phase("interpreter and imports"):
-            from transformers import AutoTokenizer
-
-            from trtc.runtime.executors import torch_executor  # noqa: F401  (onnx, torch ops)
-
         self.config = config = config or EngineConfig()
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact)
         self.manifest = self.artifact.manifest
         limits = self.manifest.limits
         self.model_name = self.manifest.name
         self.max_seq_len = limits.max_seq_len
-        with self.startup.phase("tokenizer"):
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.artifact.tokenizer_dir))
+        # transformers takes seconds to import: the tokenizer loads on its own thread while the
+        # weights are read (file reads, hashing and device copies release the GIL).
+        tokenizer = ThreadPoolExecutor(1, thread_name_prefix="trtc-tokenizer")
+        pending_tokenizer = tokenizer.submit(_load_tokenizer, self.artifact.tokenizer_dir)
+        tokenizer.shutdown(wait=False)
+        with self.startup.phase("interpreter and imports"):
+            from trtc.runtime.executors import torch_executor  # noqa: F401  (onnx, torch ops)
+        if config.speculative is not None:  # a draft model checks it has the same tokenizer
+            self.tokenizer = pending_tokenizer.result()
         on_gpu = config.executor == "cuda" or (
             config.executor == "auto" and torch.cuda.is_available()
         )
@@ -95,6 +104,8 @@ class LLMEngine:
         self.executor = create_executor(config.executor, self.artifact, num_blocks, config.device)
         if getattr(self.executor, "startup", None) is not None:
             self.startup.update(self.executor.startup)
+        with self.startup.phase("tokenizer", "what loading it beside the weights left to wait"):
+            self.tokenizer = pending_tokenizer.result()
         if self.proposer is not None and self.executor.name == "tensorrt":
             raise ValueError(
                 "speculative decoding needs the logits of several tokens a sequence, which the "

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
 
 from trtc.artifact import MODEL_FILE, WEIGHTS_FILE, Artifact
 from trtc.contract import StepInputs, kv_input_name, kv_output_name, kv_pool
@@ -19,23 +17,7 @@ from trtc.errors import ArtifactError
 from trtc.runtime.core.startup import StartupPhases
 from trtc.runtime.executors.graph import GraphNode, OpTable
 from trtc.runtime.executors.torch_ops import ONNX_OPS
-
-
-def _to_torch(init: onnx.TensorProto, device) -> torch.Tensor:
-    if init.data_type in (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN):
-        # numpy has no such dtypes: move the raw bits, then reinterpret them in torch.
-        bits = numpy_helper.to_array(init)
-        as_int = bits.view(np.uint16 if init.data_type == onnx.TensorProto.BFLOAT16 else np.uint8)
-        torch_dtype = (
-            torch.bfloat16 if init.data_type == onnx.TensorProto.BFLOAT16 else torch.float8_e4m3fn
-        )
-        return torch.from_numpy(as_int.copy()).view(torch_dtype).to(device)
-    tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
-    # Small int32/int64 constants are shapes, axes and split sizes: ops read them on the host, so
-    # they stay there (reading them from a GPU would synchronise and break CUDA-graph capture).
-    if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() <= 64:
-        return tensor
-    return tensor.to(device)
+from trtc.runtime.executors.weights import load_weights
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -62,9 +44,9 @@ class TorchExecutor:
         weight_bytes = artifact.file(files[1]).stat().st_size
         with self.startup.phase("weights") as phases:
             start = time.perf_counter()
-            artifact.verify(files)
-            model = onnx.load(str(artifact.file(files[0])))
-            self._load_graph(model)
+            artifact.verify(files[:1])  # the graph; the weights are checked as they are read
+            model = onnx.load(str(artifact.file(files[0])), load_external_data=False)
+            self._load_graph(model, files[1])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
@@ -79,7 +61,7 @@ class TorchExecutor:
         self.num_layers = kv.num_layers
         self.kv_pool = kv_pool(kv, num_blocks, self.device)
 
-    def _load_graph(self, model: onnx.ModelProto) -> None:
+    def _load_graph(self, model: onnx.ModelProto, weights_name: str) -> None:
         unsupported = sorted(
             {
                 f"{n.domain}::{n.op_type}" if n.domain else n.op_type
@@ -92,7 +74,7 @@ class TorchExecutor:
                 f"{self.artifact.path}: the torch executor cannot run op(s) "
                 f"{', '.join(unsupported)}"
             )
-        self.constants = {i.name: _to_torch(i, self.device) for i in model.graph.initializer}
+        self.constants = load_weights(self.artifact, model, weights_name, self.device)
         self.graph_outputs = {o.name for o in model.graph.output}
         graph = self.rewrite(
             [
