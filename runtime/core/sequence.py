@@ -103,6 +103,11 @@ class Sequence:
         # Draft tokens to verify in the next step (set by the engine's proposer, taken by the
         # scheduler when it schedules the sequence).
         self.proposal: Proposal | None = None
+        # Speculation backs off from a sequence whose drafts keep failing (none proposed, or
+        # none accepted): it gets none until the engine's step count reaches
+        # ``spec_paused_until``, a pause that doubles with each failure in a row.
+        self.spec_failures = 0
+        self.spec_paused_until = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

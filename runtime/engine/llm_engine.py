@@ -264,13 +264,27 @@ class LLMEngine:
 
     def _speculation_on(self) -> bool:
         """Whether the running sequences get drafts: a proposer, at most
-        ``speculative_max_batch`` of them running, one that allows it."""
+        ``speculative_max_batch`` of them running, one that may speculate now. While it is
+        off, the next step is queued before this one's tokens are read (async scheduling)."""
         running = self.scheduler.running
         return (
             self.proposer is not None
             and 0 < len(running) <= self.config.speculative_max_batch
-            and any(s.params.speculative for s in running)
+            and any(self._may_speculate(s) for s in running)
         )
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        return seq.params.speculative and seq.spec_paused_until <= self.counters.steps
+
+    # A sequence whose drafts failed n times in a row waits 2**n steps (at most this many)
+    # before it is proposed for again: drafts that keep failing cost a verifying step each and
+    # keep the next step from being queued ahead.
+    MAX_SPECULATION_PAUSE = 64
+
+    def _speculation_failed(self, seq: Sequence) -> None:
+        seq.spec_failures += 1
+        pause = min(2**seq.spec_failures, self.MAX_SPECULATION_PAUSE)
+        seq.spec_paused_until = self.counters.steps + pause
 
     def _propose(self) -> None:
         """Give running decoders drafts to verify in the next step (`Sequence.proposal`)."""
@@ -279,7 +293,7 @@ class LLMEngine:
         decoding = [
             s
             for s in self.scheduler.running
-            if s.params.speculative and s.num_uncomputed_tokens == 1 and s.num_output_tokens
+            if self._may_speculate(s) and s.num_uncomputed_tokens == 1 and s.num_output_tokens
         ]
         if not decoding:
             return
@@ -294,8 +308,10 @@ class LLMEngine:
             )
             for s in decoding
         ]
-        for seq, proposal in zip(decoding, self.proposer.propose(decoding, limits)):
+        for seq, proposal, limit in zip(decoding, self.proposer.propose(decoding, limits), limits):
             seq.proposal = proposal if len(proposal) else None
+            if seq.proposal is None and limit:
+                self._speculation_failed(seq)  # nothing to propose (no n-gram match)
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``batch`` on the executor and start sampling it. An async engine leaves the
@@ -345,9 +361,14 @@ class LLMEngine:
             if proposal:
                 rows = logits[starts[i] : starts[i + 1]]
                 tokens[i] = verify(rows, proposal, seq.params, self.generators[seq.request_id])
+                accepted = len(tokens[i]) - 1
                 self.counters.spec_proposed_tokens += len(proposal)
-                self.counters.spec_accepted_tokens += len(tokens[i]) - 1
+                self.counters.spec_accepted_tokens += accepted
                 self.counters.spec_verifications += 1
+                if accepted:
+                    seq.spec_failures = 0
+                else:
+                    self._speculation_failed(seq)
         return tokens
 
     def _complete(

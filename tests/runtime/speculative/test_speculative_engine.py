@@ -80,6 +80,36 @@ def test_speculation_stops_above_the_batch_limit(tiny_artifacts):
     assert alone.engine.counters.spec_verifications == 0
 
 
+def test_speculation_backs_off_from_drafts_that_keep_failing(tiny_artifacts):
+    """A proposer whose drafts are always wrong: verifications thin out (a pause that doubles
+    with each failure), and the output is still a token a step's."""
+    from trtc.runtime.speculative.proposer import Proposal
+
+    class Wrong:
+        name = "wrong"
+
+        def propose(self, seqs, max_tokens):
+            # The vocabulary's last id, which the tiny model never picks after these prompts.
+            return [Proposal([259] * k) for k in max_tokens]
+
+        def verified(self, seq):
+            pass
+
+        def finished(self, seq):
+            pass
+
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    expect = LLM(tiny_artifacts["tiny-llama"], executor="torch").generate(PROMPTS[:1], params)
+    llm = LLM(tiny_artifacts["tiny-llama"], executor="torch", speculative="ngram")
+    llm.engine.proposer = Wrong()
+    got = llm.generate(PROMPTS[:1], params)
+    assert got[0].token_ids == expect[0].token_ids
+    c = llm.engine.counters
+    assert c.spec_accepted_tokens == 0
+    # Failures after 2, 4, 8, 16, 32 and 64 steps: 7 verifications in 96 tokens, not 95.
+    assert 3 <= c.spec_verifications <= 8
+
+
 def test_sampled_requests_are_reproducible_with_a_seed(tiny_artifacts, poor_draft):
     params = SamplingParams(max_tokens=32, temperature=0.9, seed=3)
     runs = []
