@@ -29,12 +29,12 @@ def perplexity(
     Without it a window's first text token is also the model's attention sink, and a text that
     opens with an unusual token can wreck a whole window (docs/quantization.md shows one).
     A tokenizer without a BOS token gets no prefix."""
-    from transformers import AutoTokenizer
+    from trtc.runtime.engine.tokenizer import load_tokenizer
 
     if not isinstance(artifact, Artifact):
         artifact = Artifact.open(artifact)
     manifest = artifact.manifest
-    tokenizer = AutoTokenizer.from_pretrained(str(artifact.tokenizer_dir))
+    tokenizer = load_tokenizer(artifact.tokenizer_dir)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     prefix = [tokenizer.bos_token_id] if bos and tokenizer.bos_token_id is not None else []
     limit = min(manifest.limits.max_num_tokens, manifest.limits.max_seq_len)

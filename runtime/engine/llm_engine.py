@@ -29,6 +29,7 @@ from trtc.runtime.engine.outputs import (
     StepSummary,
 )
 from trtc.runtime.engine.token_readback import LaunchedStep, TokenReadback
+from trtc.runtime.engine.tokenizer import load_tokenizer
 from trtc.runtime.executors import create_executor, default_num_blocks
 
 log = logging.getLogger("trtc.engine")
@@ -61,12 +62,6 @@ class EngineConfig:
     speculative_max_batch: int = 8
 
 
-def _load_tokenizer(directory: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory))
-
-
 class LLMEngine:
     def __init__(self, artifact: str | Path | Artifact, config: EngineConfig | None = None):
         global _first_engine
@@ -85,7 +80,7 @@ class LLMEngine:
         # transformers takes seconds to import: the tokenizer loads on its own thread while the
         # weights are read (file reads, hashing and device copies release the GIL).
         tokenizer = ThreadPoolExecutor(1, thread_name_prefix="trtc-tokenizer")
-        pending_tokenizer = tokenizer.submit(_load_tokenizer, self.artifact.tokenizer_dir)
+        pending_tokenizer = tokenizer.submit(load_tokenizer, self.artifact.tokenizer_dir)
         tokenizer.shutdown(wait=False)
         with self.startup.phase("interpreter and imports"):
             from trtc.runtime.executors import torch_executor  # noqa: F401  (onnx, torch ops)

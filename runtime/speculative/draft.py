@@ -50,13 +50,12 @@ class DraftModelProposer:
         """``vocab_size``: the target's logits width (the draft's distributions are given at
         it); ``max_seqs``: sequences drafted for at once (the engine's speculation limit): the
         draft's pool holds that many at full context, within ``kv_cache_memory`` bytes."""
-        from transformers import AutoTokenizer
-
+        from trtc.runtime.engine.tokenizer import load_tokenizer
         from trtc.runtime.executors import create_executor, default_num_blocks
 
         self.artifact = Artifact.open(artifact)
         manifest = self.artifact.manifest
-        draft_tokenizer = AutoTokenizer.from_pretrained(str(self.artifact.tokenizer_dir))
+        draft_tokenizer = load_tokenizer(self.artifact.tokenizer_dir)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ValueError(
                 f"--speculative draft:{artifact}: the draft model's tokenizer differs from the "
