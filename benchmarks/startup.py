@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-FIRST = {"model": "m", "prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+FIRST = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 
 
 def free_port() -> int:
@@ -67,12 +67,17 @@ def serve_once(artifact: str, env: dict, log_path: str) -> dict:
                 pass
             time.sleep(0.02)
         healthy = time.perf_counter() - start
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         t = time.perf_counter()
-        r = httpx.post(f"{url}/v1/completions", json=FIRST, timeout=120)
+        r = httpx.post(f"{url}/v1/completions", json={**FIRST, "model": model}, timeout=120)
         first = time.perf_counter() - t
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
         t = time.perf_counter()
-        httpx.post(f"{url}/v1/completions", json={**FIRST, "prompt": "hello again"}, timeout=120)
+        httpx.post(
+            f"{url}/v1/completions",
+            json={**FIRST, "model": model, "prompt": "hello again"},
+            timeout=120,
+        )
         second = time.perf_counter() - t
         phases = {}
         for line in httpx.get(f"{url}/metrics").text.splitlines():

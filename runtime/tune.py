@@ -52,10 +52,10 @@ GEMV_CANDIDATES = (1, 2, 4, 8)  # decode batches where the GEMV may beat cuBLAS
 def time_decode(executor, batch: int, context: int = DECODE_CONTEXT, iters: int = 50) -> float:
     """Median seconds of one decode step of ``batch`` sequences (its CUDA graph replayed)."""
     bs = executor.block_size
+    # Within the model's context (the graphs' block tables) and the pool.
+    context = min(context, executor.max_blocks_per_seq * bs - 1)
+    context = min(context, (executor.num_blocks // batch) * bs - 1)
     per_seq = -(-(context + 1) // bs)
-    if per_seq * batch > executor.num_blocks:
-        context = max(1, (executor.num_blocks // batch) * bs - 1)
-        per_seq = -(-(context + 1) // bs)
     work = [
         SequenceWork([i + 1], context, list(range(i * per_seq, (i + 1) * per_seq)))
         for i in range(batch)

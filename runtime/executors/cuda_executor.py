@@ -37,6 +37,9 @@ MULTI_TOKEN_BUCKETS = (2, 3, 5, 9)
 # Only for steps of few sequences (speculation's, by its off-rule): a graph's logits cover every
 # padded token, and a wide one would take memory the KV pool was sized without.
 MULTI_TOKEN_MAX_SEQS = 16
+# The longest step the start-up warm-up runs (see `CudaExecutor.warm_up`): the activations of a
+# step this long stay in the caching allocator, within the 1 GiB the KV pool is sized around.
+WARM_UP_TOKENS = 2048
 
 
 def blocks_for_memory(
@@ -142,8 +145,10 @@ class CudaExecutor(TorchExecutor):
     def warm_up(self) -> None:
         """Run a prefill step and a mixed prefill + decode step eagerly, so the kernels of
         those paths are compiled (or loaded from a tuned artifact's kernels) before the first
-        request instead of during it. Writes KV only into the first blocks, before any
-        sequence owns them."""
+        request instead of during it; then one prefill step as long as a step may be (up to
+        `WARM_UP_TOKENS`), so the caching allocator holds the activations of the largest step
+        from the start rather than growing (each cudaMalloc waits for the GPU) under load.
+        Writes KV only into the first blocks, before any sequence owns them."""
         per_block = self.block_size
         blocks = list(range(min(self.num_blocks, -(-48 // per_block))))
         if len(blocks) * per_block < 48:
@@ -153,6 +158,17 @@ class CudaExecutor(TorchExecutor):
             [SequenceWork(prompt, 0, blocks)],
             [SequenceWork(prompt[:15], 32, blocks), SequenceWork([7], 16, blocks)],
         ]
+        limits = self.manifest.limits
+        longest = min(
+            limits.max_num_tokens,
+            limits.max_seq_len,
+            WARM_UP_TOKENS,
+            self.num_blocks * per_block,
+            self.max_blocks_per_seq * per_block,
+        )
+        if longest > 32:
+            table = list(range(-(-longest // per_block)))
+            steps.append([SequenceWork([(i % 97) + 1 for i in range(longest)], 0, table)])
         for work in steps:
             self.forward(make_step(work, per_block).to(self.device).as_dict())
         torch.cuda.synchronize(self.device)
