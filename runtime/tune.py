@@ -206,7 +206,10 @@ def tune_artifact(directory: str | Path, log: Callable[[str], None] = print) -> 
         finally:
             engine.close()
         json_name, tar_name = tuning_files(here.arch)
-        (directory / "tuning").mkdir(exist_ok=True)
+        try:
+            (directory / "tuning").mkdir(exist_ok=True)
+        except OSError as e:
+            raise ArtifactError(f"cannot write the tuning into {directory}: {e}") from None
         record = {
             "arch": here.arch,
             "environment": asdict(here),
