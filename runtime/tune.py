@@ -188,6 +188,8 @@ def tune_artifact(directory: str | Path, log: Callable[[str], None] = print) -> 
             f"{directory} is split over {artifact.manifest.parallel.tensor} tensor-parallel "
             "ranks; tuning covers one-GPU artifacts only so far"
         )
+    if not os.access(directory, os.W_OK):
+        raise ArtifactError(f"{directory} is not writable: trtc tune adds tuning/ to the artifact")
     device = torch.device("cuda")
     here = KernelEnvironment.current(device)
     started = time.perf_counter()
