@@ -96,14 +96,12 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     after = engine.stats().counters
     tokens = sum(len(t) for t in outputs.values())
     tpots = [(finish[r] - first[r]) / max(1, len(outputs[r]) - 1) for r in outputs]
-    verifications = after.spec_verifications - before.spec_verifications
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     return {
         "outputs": [outputs[r] for r in sorted(outputs, key=lambda r: int(r.split("-")[1]))],
         "output_tokens_per_s": tokens / wall,
         "tpot_ms": 1000 * sum(tpots) / len(tpots),
         "steps": after.steps - before.steps,
-        "mean_accepted_length": 1 + accepted / verifications if verifications else None,
+        "mean_accepted_length": after.since(before).mean_accepted_length,
     }
 
 

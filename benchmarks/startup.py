@@ -24,15 +24,9 @@ import time
 
 import httpx
 
+from trtc.runtime.distributed.group import free_port
+
 FIRST = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drop_caches() -> bool:

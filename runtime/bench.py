@@ -167,15 +167,13 @@ def run_engine(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
     result["peak_kv_mb"] = peak_kv_blocks * engine.manifest.kv_cache.bytes_per_block / 2**20
-    c = engine.stats().counters
-    verifications = c.spec_verifications - spec_before.spec_verifications
-    if verifications:
-        accepted = c.spec_accepted_tokens - spec_before.spec_accepted_tokens
+    c = engine.stats().counters.since(spec_before)
+    if c.spec_verifications:
         result["spec"] = {
-            "proposed_tokens": c.spec_proposed_tokens - spec_before.spec_proposed_tokens,
-            "accepted_tokens": accepted,
-            "verifications": verifications,
-            "mean_accepted_length": 1 + accepted / verifications,
+            "proposed_tokens": c.spec_proposed_tokens,
+            "accepted_tokens": c.spec_accepted_tokens,
+            "verifications": c.spec_verifications,
+            "mean_accepted_length": c.mean_accepted_length,
         }
     return result
 
@@ -346,16 +344,17 @@ def run_hf_continuous(
         if out is None:
             raise RuntimeError("transformers' continuous batching did not answer its warm-up")
     timings: dict[str, RequestTiming] = {}
-    seen: dict[str, int] = {}
     pending = list(enumerate(requests))
+    in_flight = done = 0
     start = time.perf_counter()
     try:
-        while pending or len(seen) < len(requests) or any(not t.finish for t in timings.values()):
-            while pending and sum(not t.finish for t in timings.values()) < concurrency:
+        while done < len(requests):
+            while pending and in_flight < concurrency:
                 i, req = pending.pop(0)
                 rid = f"bench-{i}"
-                timings[rid] = RequestTiming(time.perf_counter(), [], 0.0, len(req.prompt_ids))
-                seen[rid] = 0
+                timings[rid] = RequestTiming(
+                    time.perf_counter(), num_prompt_tokens=len(req.prompt_ids)
+                )
                 manager.add_request(
                     req.prompt_ids,
                     request_id=rid,
@@ -363,6 +362,7 @@ def run_hf_continuous(
                     streaming=True,
                     eos_token_id=-1,
                 )
+                in_flight += 1
             result = manager.get_result(timeout=1.0)
             if result is None:
                 if not manager.is_running():
@@ -372,11 +372,10 @@ def run_hf_continuous(
                 raise RuntimeError(f"transformers' continuous batching failed: {result.error}")
             now = time.perf_counter()
             t = timings[result.request_id]
-            new = len(result.generated_tokens) - seen[result.request_id]
-            t.token_times += [now] * max(new, 0)
-            seen[result.request_id] += max(new, 0)
+            t.token_times += [now] * (len(result.generated_tokens) - len(t.token_times))
             if result.is_finished():
                 t.finish = now
+                in_flight, done = in_flight - 1, done + 1
     finally:
         manager.stop(block=True)
     wall = time.perf_counter() - start

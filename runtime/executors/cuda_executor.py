@@ -79,7 +79,7 @@ class CudaExecutor(TorchExecutor):
             torch.cuda.init()
             torch.empty(1, device=device)  # the context and the caching allocator
         # Before anything launches a Triton kernel: a tuned artifact's kernels and choices.
-        with self.startup.phase("kernels"):
+        with self.startup.phase("tuning"):
             use_tuning = use_tuning and envs.TRTC_TUNING
             self.tuning = load_tuning(artifact, torch.device(device)) if use_tuning else None
             if self.tuning is not None:
@@ -99,8 +99,7 @@ class CudaExecutor(TorchExecutor):
         limits = manifest.limits
         self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
         top = min(max_graph_batch or limits.max_num_seqs, limits.max_num_seqs)
-        sizes = (self.tuning and self.tuning.graph_batch_sizes) or GRAPH_BATCH_SIZES
-        self.graph_sizes = [b for b in sizes if b <= top] or [1]
+        self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= top] or [1]
         if self.graph_sizes[-1] < top:
             self.graph_sizes.append(top)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}

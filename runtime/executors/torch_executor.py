@@ -41,20 +41,20 @@ class TorchExecutor:
         self.startup: StartupPhases = getattr(self, "startup", None) or StartupPhases()
         files = [self.manifest.rank_file(name, rank) for name in (MODEL_FILE, WEIGHTS_FILE)]
         self.device = torch.device(device)
-        weight_bytes = artifact.file(files[1]).stat().st_size
-        with self.startup.phase("weights") as phases:
-            start = time.perf_counter()
-            artifact.verify(files[:1])  # the graph; the weights are checked as they are read
-            model = onnx.load(str(artifact.file(files[0])), load_external_data=False)
-            self._load_graph(model, files[1])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - start
-            phases.note(
-                "weights",
-                f"{weight_bytes / 1e9:.2f} GB checked, read and placed on {self.device.type} at "
-                f"{weight_bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s",
-            )
+        start = time.perf_counter()
+        artifact.verify(files[:1])  # the graph; the weights are checked as they are read
+        model = onnx.load(str(artifact.file(files[0])), load_external_data=False)
+        self._load_graph(model, files[1])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        gb = artifact.file(files[1]).stat().st_size / 1e9
+        self.startup.record(
+            "weights",
+            seconds,
+            f"{gb:.2f} GB checked, read and placed on {self.device.type} at "
+            f"{gb / max(seconds, 1e-9):.2f} GB/s",
+        )
         kv = self.manifest.kv_cache
         self.block_size = kv.block_size
         self.num_blocks = num_blocks

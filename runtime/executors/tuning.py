@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import tarfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -67,7 +67,6 @@ class Tuning:
 
     pdl: bool | None = None  # programmatic dependent launch; None: TRTC_PDL decides
     gemv_max_tokens: int | None = None  # the GEMV/cuBLAS switch; None: TRTC_GEMV_MAX_TOKENS
-    graph_batch_sizes: list[int] = field(default_factory=list)  # empty: the executor's own
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -126,7 +125,9 @@ def load_tuning(
         artifact.verify([record.file, record.kernels])
         choices = json.loads(artifact.file(record.file).read_text())["choices"]
         tuning = Tuning(**choices)
-        install_kernels(artifact.file(record.kernels), artifact.manifest.files[record.kernels])
+        install_kernels(
+            artifact.file(record.kernels), artifact.manifest.files[record.kernels].sha256
+        )
     except (ArtifactError, OSError, KeyError, TypeError, ValueError, tarfile.TarError) as e:
         log.warning(
             "ignoring %s's tuning for %s: %s; kernels are compiled at start",
@@ -144,10 +145,10 @@ def kernel_cache(sha256: str) -> Path:
     return envs.cache_dir() / "kernels" / sha256[:32]
 
 
-def install_kernels(archive: Path, record) -> Path:
-    """Unpack ``archive`` (checked against its manifest record by the caller) into the trtc
-    cache once, then make it Triton's cache directory for this process."""
-    target = kernel_cache(record.sha256)
+def install_kernels(archive: Path, sha256: str) -> Path:
+    """Unpack ``archive`` (its ``sha256`` checked by the caller) into the trtc cache once, then
+    make it Triton's cache directory for this process."""
+    target = kernel_cache(sha256)
     if not target.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")

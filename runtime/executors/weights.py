@@ -9,7 +9,7 @@ no time of its own when the copies take longer than the hash."""
 from __future__ import annotations
 
 import mmap
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -67,15 +67,20 @@ def load_weights(
             continue
         info = {e.key: e.value for e in init.external_data}
         if Path(info["location"]).name != Path(weights_name).name:
-            raise ValueError(f"{init.name}: stored in {info['location']}, not {weights_name}")
+            raise ValueError(
+                f"{init.name}: stored in {info['location']}, not {weights_name}: not an artifact "
+                "trtc wrote; rebuild it with `trtc build`"
+            )
         external.append((int(info.get("offset", 0)), int(info["length"]), init))
     external.sort(key=lambda e: e[0])
 
-    check = _Check(artifact, weights_name)
-    if device.type == "cuda":
-        check.start()  # alongside the copies
-    else:
-        check.run()  # on the CPU the views below stay mapped: check first
+    if device.type == "cuda":  # alongside the copies; its error is raised at the end
+        checker = ThreadPoolExecutor(1, thread_name_prefix="trtc-verify-weights")
+        check = checker.submit(artifact.verify, [weights_name])
+        checker.shutdown(wait=False)
+    else:  # on the CPU the tensors are clones of the mapping: check it first
+        artifact.verify([weights_name])
+        check = None
     view = None
     with open(path, "rb") as f:
         # ACCESS_COPY: a writable (copy-on-write) mapping, as torch.frombuffer wants one; the
@@ -86,7 +91,7 @@ def load_weights(
         if dtype is None:
             raise ValueError(
                 f"{init.name}: element type {onnx.TensorProto.DataType.Name(init.data_type)} "
-                "is not one an artifact stores"
+                "is not one trtc writes; rebuild the artifact with this trtc"
             )
         count = length // torch.empty((), dtype=dtype).element_size()
         view = torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset)
@@ -95,29 +100,8 @@ def load_weights(
             tensors[init.name] = view.clone()  # no tensor keeps the mapping alive
         else:
             tensors[init.name] = view.to(device)
-    del view
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    del view  # a copy from pageable memory has read its source when it returns
     mapped.close()
-    check.join()
+    if check is not None:
+        check.result()
     return tensors
-
-
-class _Check(threading.Thread):
-    """`Artifact.verify` of the weights file, its error re-raised where it is joined."""
-
-    def __init__(self, artifact: Artifact, name: str):
-        super().__init__(name="trtc-verify-weights", daemon=True)
-        self.artifact, self.file, self.error = artifact, name, None
-
-    def run(self) -> None:
-        try:
-            self.artifact.verify([self.file])
-        except BaseException as e:  # handed to the loading thread
-            self.error = e
-
-    def join(self, timeout=None) -> None:
-        if self.is_alive() or self.ident is not None:
-            super().join(timeout)
-        if self.error is not None:
-            raise self.error

@@ -121,8 +121,8 @@ class EngineMetrics(EngineObserver):
             if value > self._seen[name]:
                 counter.inc(value - self._seen[name])
                 self._seen[name] = value
-        if c.spec_verifications:
-            self.spec_mean_accepted.set(1 + c.spec_accepted_tokens / c.spec_verifications)
+        if c.mean_accepted_length is not None:
+            self.spec_mean_accepted.set(c.mean_accepted_length)
 
     def observe_step(self, step: StepSummary) -> None:
         self.steps.labels(step.kind).inc()

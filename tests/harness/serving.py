@@ -71,6 +71,68 @@ def run_request(
     return "".join(parts), reason
 
 
+class GreedyReference:
+    """transformers' greedy ``generate`` of one prompt alone (stopping at the chat's end-of-turn
+    tokens), and the check of a served text against it: equal, or diverging only where
+    transformers' own top-2 logits are within ``near_tie`` (two implementations may break a
+    near tie either way). Calling it checks and returns a note for the test's report."""
+
+    def __init__(self, hf, tok, near_tie: float, device: str = "cpu"):
+        self.hf, self.tok, self.near_tie, self.device = hf, tok, near_tie, device
+        self.eos = sorted(
+            {
+                tok.eos_token_id,
+                *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")),
+            }
+        )
+
+    def chat_ids(self, text: str) -> list[int]:
+        ids = self.tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def plain_ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompt_ids: list[int], max_new: int):
+        """The greedy tokens (a final end-of-turn token dropped) and each step's scores."""
+        import torch
+
+        with torch.no_grad():
+            out = self.hf.generate(
+                torch.tensor([prompt_ids], device=self.device),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=self.eos,
+                pad_token_id=self.eos[0],
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, len(prompt_ids) :].tolist()
+        if tokens and tokens[-1] in self.eos:
+            tokens = tokens[:-1]
+        return tokens, [s[0] for s in out.scores]
+
+    def __call__(self, text: str, prompt_ids: list[int], max_new: int = MAX_TOKENS) -> str:
+        import torch
+
+        tokens, scores = self.generate(prompt_ids, max_new)
+        want = self.tok.decode(tokens, skip_special_tokens=True)
+        if text == want:
+            return "identical"
+        for k in range(len(tokens)):
+            if not text.startswith(self.tok.decode(tokens[: k + 1], skip_special_tokens=True)):
+                top2 = torch.topk(scores[k].float(), 2).values
+                gap = float(top2[0] - top2[1])
+                assert gap < self.near_tie, (
+                    f"diverged at token {k} where transformers' top-2 logits differ "
+                    f"by {gap:.3g}:\n ours: {text!r}\n hf:   {want!r}"
+                )
+                return f"near tie at token {k} (gap {gap:.1e})"
+        raise AssertionError(f"ours {text!r} vs transformers {want!r}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

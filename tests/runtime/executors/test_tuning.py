@@ -47,7 +47,7 @@ def tuned(tiny_artifacts, tmp_path, monkeypatch):
     (kernels / "ABC" / "kernel.cubin").write_bytes(b"\x7fELF fake cubin")
     json_name, tar_name = tuning_files("sm90")
     pack(kernels, art / tar_name)
-    choices = Tuning(pdl=False, gemv_max_tokens=4, graph_batch_sizes=[1, 2, 4])
+    choices = Tuning(pdl=False, gemv_max_tokens=4)
     (art / json_name).write_text(json.dumps({"choices": choices.to_json()}))
     m = read_manifest(art)
     for name in (json_name, tar_name):
@@ -79,7 +79,7 @@ def test_matching_tuning_installs_its_kernels_for_triton(tuned, caplog):
     import torch
 
     tuning = load_tuning(Artifact.open(tuned), torch.device("cpu"), HERE)
-    assert tuning == Tuning(pdl=False, gemv_max_tokens=4, graph_batch_sizes=[1, 2, 4])
+    assert tuning == Tuning(pdl=False, gemv_max_tokens=4)
     sha = read_manifest(tuned).files[tuning_files("sm90")[1]].sha256
     cache = kernel_cache(sha)
     assert (cache / "ABC" / "kernel.cubin").read_bytes() == b"\x7fELF fake cubin"

@@ -11,10 +11,9 @@ import time
 
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from harness.serving import CHAT, MAX_TOKENS, PLAIN_PROMPTS, ServerProcess, run_request
+from harness.serving import CHAT, PLAIN_PROMPTS, GreedyReference, ServerProcess, run_request
 
 pytestmark = pytest.mark.slow
 NEAR_TIE = 1e-3
@@ -41,56 +40,7 @@ def model_name(client):
 def reference(smollm2_hf, smollm2_fp32):
     """Greedy transformers `generate` for one prompt alone, with its per-step scores."""
     hf, _ = smollm2_hf
-    tok = AutoTokenizer.from_pretrained(smollm2_fp32 / "tokenizer")
-    eos = sorted(
-        {tok.eos_token_id, *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))}
-    )
-
-    def generate(prompt_ids: list[int], max_new: int = MAX_TOKENS):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-        tokens = out.sequences[0, len(prompt_ids) :].tolist()
-        return tokens, [s[0] for s in out.scores]
-
-    def chat_ids(text):
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def plain_ids(text):
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    def check(text: str, prompt_ids: list[int], max_new: int = MAX_TOKENS) -> str:
-        """Our text equals transformers' greedy text, or diverges at a near tie. Returns a note."""
-        tokens, scores = generate(prompt_ids, max_new)
-        tokens = [t for t in tokens]
-        if tokens and tokens[-1] in eos:
-            tokens = tokens[:-1]
-        want = tok.decode(tokens, skip_special_tokens=True)
-        if text == want:
-            return "identical"
-        for k in range(len(tokens)):
-            if not text.startswith(tok.decode(tokens[: k + 1], skip_special_tokens=True)):
-                top2 = torch.topk(scores[k].float(), 2).values
-                gap = float(top2[0] - top2[1])
-                assert gap < NEAR_TIE, (
-                    f"diverged at token {k} where transformers' top-2 logits differ "
-                    f"by {gap:.3g}:\n ours: {text!r}\n hf:   {want!r}"
-                )
-                return f"near tie at token {k} (gap {gap:.1e})"
-        raise AssertionError(f"ours {text!r} vs transformers {want!r}")
-
-    check.chat_ids, check.plain_ids = chat_ids, plain_ids
-    return check
+    return GreedyReference(hf, AutoTokenizer.from_pretrained(smollm2_fp32 / "tokenizer"), NEAR_TIE)
 
 
 def test_16_concurrent_requests_match_transformers(client, model_name, reference, server):
