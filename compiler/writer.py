@@ -5,7 +5,6 @@ leaves nothing half-written."""
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import shutil
 import socket
@@ -20,7 +19,15 @@ import numpy as np
 import onnx
 import torch
 
-from trtc.artifact import BUILD_LOG, MANIFEST, MODEL_FILE, WEIGHTS_FILE, sha256_file
+from trtc.artifact import (
+    BUILD_LOG,
+    MANIFEST,
+    MODEL_FILE,
+    WEIGHTS_FILE,
+    FileDigest,
+    FileRecord,
+    file_record,
+)
 from trtc.compiler.weights import LazyWeight, weight_id
 from trtc.errors import ConfigError
 
@@ -132,8 +139,8 @@ def save_onnx(
 
     Placeholder initializers (`compiler.weights`) are produced from ``recipes`` one at a time
     and written straight to the data file, so host memory holds one weight, not the model.
-    Returns the sha256 of both files, hashed as they were written (`file_records` takes them
-    instead of reading gigabytes back)."""
+    Returns the records (size, sha256, chunk hashes) of both files, hashed as they were
+    written (`file_records` takes them instead of reading gigabytes back)."""
     recipes = recipes or {}
     initializers = list(model.graph.initializer)
     sizes = (
@@ -142,7 +149,7 @@ def save_onnx(
     )
     total = sum(n for n in sizes if n >= _EXTERNAL_THRESHOLD)  # what goes to the data file
     last_report = time.monotonic()
-    digest = hashlib.sha256()
+    digest = FileDigest()
     with open(directory / WEIGHTS_FILE, "wb") as data:
         for tensor in initializers:
             wid = weight_id(tensor)
@@ -173,10 +180,9 @@ def save_onnx(
     (directory / MODEL_FILE).write_bytes(graph_bytes)
     for name in (MODEL_FILE, WEIGHTS_FILE):
         (directory / name).chmod(0o666 & ~_umask())
-    return {
-        MODEL_FILE: hashlib.sha256(graph_bytes).hexdigest(),
-        WEIGHTS_FILE: digest.hexdigest(),
-    }
+    graph_digest = FileDigest()
+    graph_digest.update(graph_bytes)
+    return {MODEL_FILE: graph_digest.record(), WEIGHTS_FILE: digest.record()}
 
 
 def _point_to_data(tensor: onnx.TensorProto, offset: int, length: int) -> None:
@@ -190,16 +196,15 @@ def _point_to_data(tensor: onnx.TensorProto, offset: int, length: int) -> None:
         entry.key, entry.value = key, str(value)
 
 
-def file_records(directory: Path, known: Mapping[str, str] | None = None) -> dict[str, dict]:
-    """Size and sha256 of every file the manifest vouches for (all but itself and the log);
-    ``known`` gives hashes already computed while writing, by relative path."""
+def file_records(
+    directory: Path, known: Mapping[str, FileRecord] | None = None
+) -> dict[str, FileRecord]:
+    """Size and hashes of every file the manifest vouches for (all but itself and the log);
+    ``known`` gives records already computed while writing, by relative path."""
     known = known or {}
     records = {}
     for p in sorted(directory.rglob("*")):
         if p.is_file() and p.name not in (MANIFEST, BUILD_LOG):
             name = str(p.relative_to(directory))
-            records[name] = {
-                "bytes": p.stat().st_size,
-                "sha256": known.get(name) or sha256_file(p),
-            }
+            records[name] = known.get(name) or file_record(p)
     return records

@@ -35,8 +35,8 @@ from trtc.artifact import (
     Artifact,
     FileRecord,
     TuningRecord,
+    file_record,
     read_manifest,
-    sha256_file,
     write_manifest,
 )
 from trtc.contract import SequenceWork, make_step
@@ -253,9 +253,4 @@ def _write_files(
     finally:
         for tmp in (tar_tmp, json_tmp):
             tmp.unlink(missing_ok=True)
-    return {
-        name: FileRecord(
-            bytes=(directory / name).stat().st_size, sha256=sha256_file(directory / name)
-        )
-        for name in (json_name, tar_name)
-    }
+    return {name: file_record(directory / name) for name in (json_name, tar_name)}

@@ -104,3 +104,54 @@ def test_truncated_file_is_detected(tiny_artifacts, tmp_path):
     data.write_bytes(data.read_bytes()[:-10])
     with pytest.raises(ArtifactError, match="truncated"):
         Artifact.open(art).verify()
+
+
+def test_file_digest_hashes_the_whole_and_each_chunk(monkeypatch):
+    import hashlib
+    import random
+
+    from trtc import artifact
+
+    monkeypatch.setattr(artifact, "CHUNK_BYTES", 1000)
+    data = random.Random(0).randbytes(3500)
+    digest = artifact.FileDigest()
+    for start, stop in ((0, 7), (7, 1000), (1000, 2999), (2999, 3500)):  # pieces across chunks
+        digest.update(data[start:stop])
+    record = digest.record()
+    assert record.bytes == 3500 and record.sha256 == hashlib.sha256(data).hexdigest()
+    assert record.chunks == [
+        hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, 3500, 1000)
+    ]
+    small = artifact.FileDigest()
+    small.update(data[:1000])  # one chunk or less: the whole-file hash says it all
+    assert small.record().chunks is None
+
+
+def test_chunked_weights_are_checked_chunk_by_chunk(tiny_artifacts, tmp_path, monkeypatch):
+    import shutil
+
+    from trtc import artifact
+
+    monkeypatch.setattr(artifact, "CHUNK_BYTES", 1 << 14)
+    art = tmp_path / "copy"
+    shutil.copytree(tiny_artifacts["tiny-llama"], art)
+    m = read_manifest(art)
+    data = art / "model.onnx.data"
+    m.files["model.onnx.data"] = artifact.file_record(data)
+    count = len(m.files["model.onnx.data"].chunks)
+    assert count > 4
+    artifact.write_manifest(art, m)
+    Artifact.open(art).verify()
+
+    raw = bytearray(data.read_bytes())
+    raw[5 * (1 << 14) + 3] ^= 1  # one bit in the sixth chunk
+    data.write_bytes(bytes(raw))
+    with pytest.raises(
+        ArtifactError, match=rf"modified in 1 of {count} chunks, from byte offset {5 << 14}"
+    ):
+        Artifact.open(art).verify()
+
+    m.files["model.onnx.data"].chunks = m.files["model.onnx.data"].chunks[:-1]
+    artifact.write_manifest(art, m)
+    with pytest.raises(ArtifactError, match="chunk hashes"):
+        Artifact.open(art).verify()

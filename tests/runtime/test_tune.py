@@ -1,5 +1,6 @@
 """`trtc tune` on the GPU: the tuned artifact serves from its shipped kernels (nothing compiled),
-gives the same tokens, and a tuning recorded for another Triton is ignored with a warning."""
+gives the same tokens, and a tuning recorded for another Triton or another architecture is
+ignored with a warning (the server still serves)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ def files_under(path) -> int:
     return sum(1 for p in path.rglob("*") if p.is_file())
 
 
-def test_tuned_artifact_serves_without_compiling(tiny_artifacts, tmp_path):
+def test_tuned_artifact_serves_without_compiling(tiny_artifacts, tmp_path, monkeypatch):
     art = tmp_path / "art"
     shutil.copytree(tiny_artifacts["tiny-llama"], art)
     env = {"TRTC_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_DIR": str(tmp_path / "t")}
+    monkeypatch.setenv("TRTC_CACHE_DIR", env["TRTC_CACHE_DIR"])  # kernel_cache() below
     r = trtc("tune", str(art), env=env)
     assert r.returncode == 0, r.stderr
     m = read_manifest(art)
@@ -65,3 +67,12 @@ def test_tuned_artifact_serves_without_compiling(tiny_artifacts, tmp_path):
     assert other.returncode == 0, other.stderr
     assert "ignoring" in other.stderr and "Triton 0.0.1" in other.stderr
     assert other.stdout == plain.stdout
+
+    # The same tuning, recorded for another architecture: ignored, and it still serves.
+    other_arch = "sm80" if arch != "sm80" else "sm90"
+    m.tuning = {other_arch: record}
+    write_manifest(art, m)
+    elsewhere = trtc(*generate, env=env)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert f"tuned for {other_arch}, not for this GPU" in elsewhere.stderr
+    assert elsewhere.stdout == plain.stdout
