@@ -225,7 +225,7 @@ def ab_graph_times(ex: CudaExecutor, batches: list[int], context: int) -> list[d
     for use_pdl, use_gemv in ((False, False), (True, False), (False, True), (True, True)):
         pdl.set_enabled(use_pdl)
         gemv.set_max_tokens(default_gemv if use_gemv else 0)
-        ex.capture_graphs()
+        ex.capture_graphs(mixed=False)
         times = []
         for batch in batches:
             graph, inputs, _ = decode_graph(ex, batch)

@@ -89,7 +89,7 @@ def choose(executor, log: Callable[[str], None]) -> tuple[Tuning, dict]:
     pdl_us = {}
     for on in (True, False):
         pdl.set_enabled(on)
-        executor.capture_graphs()
+        executor.capture_graphs(mixed=False)
         pdl_us[on] = {1: decode_us(1), wide: decode_us(wide)}
     use_pdl = sum(pdl_us[True].values()) <= sum(pdl_us[False].values())
     timings["pdl"] = {str(on).lower(): us for on, us in pdl_us.items()}
@@ -105,7 +105,7 @@ def choose(executor, log: Callable[[str], None]) -> tuple[Tuning, dict]:
         row = {}
         for name, setting in (("gemv", batch), ("cublas", 0)):
             gemv.set_max_tokens(setting)
-            executor.capture_graphs()
+            executor.capture_graphs(mixed=False)
             row[name] = decode_us(batch)
         gemv_us[batch] = row
     threshold = 0

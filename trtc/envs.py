@@ -50,6 +50,11 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "0: the cuda executor keeps INT4 weights in the stored plugin layout instead of the "
         "fragment kernel's",
     ),
+    "TRTC_MIXED_GRAPHS": (
+        _flag("TRTC_MIXED_GRAPHS", True),
+        "0: the cuda executor runs prefill and mixed prefill + decode steps eagerly instead of "
+        "replaying graphs captured per token bucket",
+    ),
     "TRTC_TUNING": (
         _flag("TRTC_TUNING", True),
         "0: the cuda executor ignores an artifact's `trtc tune` kernels and choices (compiles "

@@ -61,7 +61,10 @@ def rank_executor(
             from trtc.runtime.executors.cuda_executor import CudaExecutor
 
             proposed = CudaExecutor.pool_blocks(
-                artifact.manifest, device, int4_fragments=envs.TRTC_INT4_FRAGMENTS
+                artifact.manifest,
+                device,
+                int4_fragments=envs.TRTC_INT4_FRAGMENTS,
+                mixed_graphs=envs.TRTC_MIXED_GRAPHS,
             )
         else:
             proposed = _ANY

@@ -1,13 +1,19 @@
 """The CUDA executor: the torch executor on a GPU, with the KV pool preallocated from a memory
-fraction and decode steps captured as CUDA graphs for a set of batch sizes (a decode step of a
-small model is mostly host overhead otherwise). Steps of a few tokens a sequence (speculative
-verification) replay graphs too, captured on first use; longer prefill and mixed steps run
-eagerly.
+fraction and every kind of step replayed from CUDA graphs (a step run eagerly is mostly host
+overhead on a small model: a few hundred kernel launches from Python).
 
-A decode step of ``n`` sequences replays the graph of the smallest captured size ``>= n``; the
-extra rows are padding (slot -1, so nothing is written; one visible cached position, so nothing
-divides by zero) and their logits are dropped. A multi-token step is laid out the same way, each
-sequence padded to its bucket's tokens (`MultiTokenInputs`)."""
+- Decode steps: a graph per batch size; a step of ``n`` sequences replays the smallest captured
+  size ``>= n``; the extra rows are padding (slot -1, so nothing is written; one visible cached
+  position, so nothing divides by zero) and their logits are dropped.
+- Steps of a few tokens a sequence (speculative verification): a graph per (batch, tokens)
+  bucket, captured on first use, each sequence padded to its bucket's tokens
+  (`MultiTokenInputs`).
+- Prefill and mixed prefill + decode steps: a graph per token bucket (`MIXED_TOKEN_BUCKETS`),
+  over the largest decode batch of sequences; the step's tokens are followed by one padding
+  sequence that takes the bucket's remaining tokens, and the sequences after it have none
+  (`MixedStepInputs`). The attention kernels' launch depends on shapes only, so one graph serves
+  every step of its bucket. Longer steps, and steps asking for more logits rows than sequences
+  fit, run eagerly."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import numpy as np
 import torch
 
 from trtc import envs
-from trtc.artifact import Artifact, Manifest
+from trtc.artifact import Artifact, Limits, Manifest
 from trtc.contract import SequenceWork, StepInputs, make_step
 from trtc.runtime.core.startup import StartupPhases
 from trtc.runtime.executors.fusions import RUNTIME_OPS, fuse
@@ -37,6 +43,10 @@ MULTI_TOKEN_BUCKETS = (2, 3, 5, 9)
 # Only for steps of few sequences (speculation's, by its off-rule): a graph's logits cover every
 # padded token, and a wide one would take memory the KV pool was sized without.
 MULTI_TOKEN_MAX_SEQS = 16
+# Token counts of the prefill / mixed-step graphs (those above the largest decode batch and at
+# most the artifact's step limit are captured): a step runs in the smallest bucket that holds
+# it, so padding costs at most a third of its tokens above 128.
+MIXED_TOKEN_BUCKETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 # The longest step the start-up warm-up runs (see `CudaExecutor.warm_up`): the activations of a
 # step this long stay in the caching allocator, within the 1 GiB the KV pool is sized around.
 WARM_UP_TOKENS = 2048
@@ -57,6 +67,32 @@ def blocks_for_memory(
     return int(blocks)
 
 
+def decode_graph_sizes(limits: Limits, max_graph_batch: int | None = None) -> list[int]:
+    """The batch sizes decode graphs are captured for: `GRAPH_BATCH_SIZES` up to the largest
+    (``max_graph_batch``, at most the artifact's ``max_num_seqs``), which is always one."""
+    top = min(max_graph_batch or limits.max_num_seqs, limits.max_num_seqs)
+    sizes = [b for b in GRAPH_BATCH_SIZES if b <= top] or [1]
+    return sizes if sizes[-1] == top else [*sizes, top]
+
+
+def mixed_token_buckets(limits: Limits, seqs: int) -> list[int]:
+    """The token buckets of the prefill / mixed-step graphs over ``seqs`` sequences: more
+    tokens than sequences (a prefill launch), at most a step's and a context's."""
+    top = min(limits.max_num_tokens, limits.max_seq_len)
+    return [t for t in MIXED_TOKEN_BUCKETS if seqs < t <= top]
+
+
+def mixed_graph_bytes(manifest: Manifest, tokens: int, seqs: int) -> int:
+    """About what the prefill / mixed-step graphs hold on top of the eager margin: their
+    shared pool (the largest bucket's activations: a layer's gate and up projections and their
+    product, the residual stream, normed and attention copies, per token) and their shared
+    ``[seqs, vocab]`` fp32 logits (and the half-precision logits they are made from)."""
+    g = manifest.model
+    element = 4 if manifest.precision == "fp32" else 2
+    activations = tokens * (3 * g.intermediate_size + 6 * g.hidden_size) * element
+    return activations + seqs * g.vocab_size * (4 + element)
+
+
 class CudaExecutor(TorchExecutor):
     name = "cuda"
     ops = {**ONNX_OPS, **RUNTIME_OPS}
@@ -73,6 +109,7 @@ class CudaExecutor(TorchExecutor):
         int4_fragments: bool | None = None,
         rank: int = 0,
         use_tuning: bool = True,
+        mixed_graphs: bool | None = None,
     ):
         self.startup = StartupPhases()
         with self.startup.phase("cuda context"):
@@ -93,28 +130,40 @@ class CudaExecutor(TorchExecutor):
         self.int4_fragments = int4_fragments and fuse_kernels
         self.fusions: dict[str, int] = {}
         manifest = artifact.manifest
-        if num_blocks is None:
-            num_blocks = self.pool_blocks(manifest, device, memory_fraction, self.int4_fragments)
-        super().__init__(artifact, num_blocks, device, rank)
         limits = manifest.limits
+        self.graph_sizes = decode_graph_sizes(limits, max_graph_batch)
+        if mixed_graphs is None:
+            mixed_graphs = envs.TRTC_MIXED_GRAPHS
+        mixed_graphs = mixed_graphs and use_cuda_graphs
+        self.mixed_sizes = mixed_token_buckets(limits, self.graph_sizes[-1]) if mixed_graphs else []
+        if num_blocks is None:
+            num_blocks = self.pool_blocks(
+                manifest, device, memory_fraction, self.int4_fragments, mixed_graphs
+            )
+        super().__init__(artifact, num_blocks, device, rank)
         self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
-        top = min(max_graph_batch or limits.max_num_seqs, limits.max_num_seqs)
-        self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= top] or [1]
-        if self.graph_sizes[-1] < top:
-            self.graph_sizes.append(top)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         # Steps of up to MULTI_TOKEN_BUCKETS[-1] tokens a sequence (speculative verification,
         # short chunks), captured the first time a shape is met: (batch, tokens) -> graph.
         self.multi_graphs: dict[tuple[int, int], tuple] = {}
         self._multi_pool = None
+        # Prefill and mixed steps: tokens -> (graph, inputs), captured at start.
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, MixedStepInputs]] = {}
         with self.startup.phase(
             "kernels",
             "loaded from the artifact's tuning" if self.tuning else "compiled (not tuned here)",
         ):
             self.warm_up()
         if use_cuda_graphs:
-            with self.startup.phase("graphs", f"{len(self.graph_sizes)} decode batch sizes"):
+            with self.startup.phase("graphs") as phases:
+                reserved = torch.cuda.memory_reserved(self.device)
                 self.capture_graphs()
+                held = torch.cuda.memory_reserved(self.device) - reserved
+                phases.note(
+                    "graphs",
+                    f"{len(self.graph_sizes)} decode batch sizes, {len(self.mixed_sizes)} "
+                    f"prefill / mixed token buckets, {held / 2**20:.0f} MiB",
+                )
 
     @staticmethod
     def pool_blocks(
@@ -122,12 +171,18 @@ class CudaExecutor(TorchExecutor):
         device: str | torch.device = "cuda",
         memory_fraction: float = 0.9,
         int4_fragments: bool = True,
+        mixed_graphs: bool = True,
     ) -> int:
         """The KV blocks a pool on ``device`` gets by default: what ``memory_fraction`` of
-        the GPU holds after the weights (and their fragment-layout copies)."""
+        the GPU holds after the weights (and their fragment-layout copies) and, with
+        ``mixed_graphs``, what the prefill / mixed-step graphs hold."""
         weight_bytes = manifest.graph.weight_bytes["total"]
         if int4_fragments:
             weight_bytes += int4_fragment_bytes(manifest)
+        seqs = decode_graph_sizes(manifest.limits)[-1]
+        buckets = mixed_token_buckets(manifest.limits, seqs) if mixed_graphs else []
+        if buckets:
+            weight_bytes += mixed_graph_bytes(manifest, buckets[-1], seqs)
         return blocks_for_memory(manifest, memory_fraction, torch.device(device), weight_bytes)
 
     def rewrite(self, graph: list[GraphNode]) -> list[GraphNode]:
@@ -173,9 +228,11 @@ class CudaExecutor(TorchExecutor):
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
-        """Capture (again) a decode graph per batch size, with the kernels' launch settings as
-        they are now (the profile's A/B of programmatic dependent launch and the GEMV)."""
+    def capture_graphs(self, mixed: bool = True) -> None:
+        """Capture (again) a decode graph per batch size and, with ``mixed``, a prefill /
+        mixed-step graph per token bucket, with the kernels' launch settings as they are now
+        (`trtc tune`'s A/B of programmatic dependent launch and the GEMV recaptures the decode
+        graphs it times, then everything with the winners)."""
         self.graphs.clear()
         torch.cuda.synchronize(self.device)
         pool = None
@@ -187,10 +244,50 @@ class CudaExecutor(TorchExecutor):
             pool = graph.pool()
             self.graphs[batch] = (graph, inputs, logits)
         torch.cuda.synchronize(self.device)
+        if mixed:
+            self._capture_mixed_graphs()
 
-    def _capture(self, tensors: dict, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_mixed_graphs(self) -> None:
+        """A graph per token bucket, largest first, in one memory pool (one step runs at a
+        time, and its logits are sampled before the next is queued), all writing their logits
+        into one buffer (`mixed_logits`): one ``[seqs, vocab]`` block, not one a bucket."""
+        self.mixed_graphs.clear()
+        if not self.mixed_sizes:
+            return
+        seqs = self.graph_sizes[-1]
+        vocab = self.manifest.model.vocab_size
+        self.mixed_logits = torch.empty(seqs, vocab, dtype=torch.float32, device=self.device)
+        pool = None
+        for tokens in sorted(self.mixed_sizes, reverse=True):
+            inputs = MixedStepInputs(
+                tokens, seqs, self.max_blocks_per_seq, self.block_size, self.device
+            )
+            graph, _ = self._capture(inputs.tensors, pool, out=self.mixed_logits)
+            pool = graph.pool()
+            self.mixed_graphs[tokens] = (graph, inputs)
+        torch.cuda.synchronize(self.device)
+
+    def _replay_mixed(self, step: StepInputs, input_ids: torch.Tensor | None):
+        """A prefill or mixed step from the graph of the smallest token bucket that holds it
+        and one padding sequence; None when none does (then it runs eagerly)."""
+        tokens = next((t for t in sorted(self.mixed_graphs) if t >= step.num_tokens), None)
+        if tokens is None:
+            return None
+        graph, inputs = self.mixed_graphs[tokens]
+        if not inputs.fits(step):
+            return None
+        rows = inputs.load(step)
+        if input_ids is not None:
+            inputs.tensors["input_ids"][: step.num_tokens].copy_(input_ids)
+        graph.replay()
+        return self.mixed_logits[:rows]
+
+    def _capture(
+        self, tensors: dict, pool, out: torch.Tensor | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step graph on static ``tensors`` as a CUDA graph (memory from ``pool``), after
-        two warm-up runs that compile the kernels and settle the allocator."""
+        two warm-up runs that compile the kernels and settle the allocator; with ``out``, the
+        graph copies its logits into it (a buffer graphs share) and returns it."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -200,6 +297,8 @@ class CudaExecutor(TorchExecutor):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.forward(tensors)
+            if out is not None:
+                logits = out.copy_(logits)
         return graph, logits
 
     @torch.inference_mode()
@@ -218,7 +317,11 @@ class CudaExecutor(TorchExecutor):
             logits = self._replay_multi_token(step, size)
             if logits is not None:
                 return logits
-        if num_tokens != num_seqs or size is None:  # prefill or mixed: eager
+        if num_tokens != num_seqs or size is None:  # prefill or mixed
+            if self.mixed_graphs:
+                logits = self._replay_mixed(step, input_ids)
+                if logits is not None:
+                    return logits
             feeds = step.to(self.device, non_blocking=True).as_dict()
             if input_ids is not None:
                 feeds["input_ids"] = input_ids
@@ -349,3 +452,85 @@ class DecodeInputs(StaticStepInputs):
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.copied.record()
+
+
+class MixedStepInputs:
+    """The static inputs of a captured prefill / mixed step of ``tokens`` tokens over ``seqs``
+    sequences, with ``seqs`` logits rows, in two device buffers with pinned host twins (as
+    `StaticStepInputs`). A step of ``n`` sequences and ``t`` tokens fills the first ``n``
+    sequences and ``t`` tokens; sequence ``n`` is padding that takes the remaining tokens (slot
+    -1: it writes no KV; it attends to its own positions through block 0, whatever that holds:
+    its rows are never read), and the sequences after it have no tokens (their attention tiles
+    return at once). ``tokens`` exceeds ``seqs``, so the attention launch is a prefill one
+    (`plan`), as the steps' own launches are."""
+
+    def __init__(
+        self, tokens: int, seqs: int, max_blocks: int, block_size: int, device: torch.device
+    ):
+        if tokens <= seqs:
+            raise ValueError(f"a mixed-step graph needs more tokens ({tokens}) than seqs ({seqs})")
+        if tokens > max_blocks * block_size:  # the padding sequence's block table holds them
+            raise ValueError(f"{tokens} tokens exceed a block table ({max_blocks} blocks)")
+        self.num_tokens, self.num_seqs = tokens, seqs
+        self.max_blocks, self.block_size = max_blocks, block_size
+        pinned = device.type == "cuda"
+        # int64: ids, positions, slots (tokens each), logits rows (seqs); int32: context lengths
+        # (seqs), query starts (seqs + 1), block tables (seqs x max_blocks).
+        self.host64 = torch.zeros(3 * tokens + seqs, dtype=torch.int64)
+        self.host32 = torch.zeros(2 * seqs + 1 + seqs * max_blocks, dtype=torch.int32)
+        if pinned:
+            self.host64, self.host32 = self.host64.pin_memory(), self.host32.pin_memory()
+        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
+        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
+        self.copied = torch.cuda.Event() if pinned else None
+        t, s = tokens, seqs
+        self.tensors = {
+            "input_ids": self.dev64[:t],
+            "positions": self.dev64[t : 2 * t],
+            "slot_mapping": self.dev64[2 * t : 3 * t],
+            "logits_indices": self.dev64[3 * t :],
+            "context_lens": self.dev32[:s],
+            "query_start_loc": self.dev32[s : 2 * s + 1],
+            "block_tables": self.dev32[2 * s + 1 :].view(s, max_blocks),
+        }
+        self.load(None)  # a valid empty step for the capture: all padding
+
+    def fits(self, step: StepInputs) -> bool:
+        return (
+            step.num_tokens <= self.num_tokens
+            and step.num_seqs < self.num_seqs
+            and step.logits_indices.shape[0] <= self.num_seqs
+            and step.block_tables.shape[1] <= self.max_blocks
+        )
+
+    def load(self, step: StepInputs | None) -> int:
+        """Copy ``step`` in (None: no sequence, all padding); returns its logits rows."""
+        t, s = self.num_tokens, self.num_seqs
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have read the host buffers
+        h64, h32 = self.host64_np, self.host32_np
+        ids, pos, slots, rows = h64[:t], h64[t : 2 * t], h64[2 * t : 3 * t], h64[3 * t :]
+        lens, starts = h32[:s], h32[s : 2 * s + 1]
+        tables = h32[2 * s + 1 :].reshape(s, self.max_blocks)
+        n = step.num_seqs if step is not None else 0
+        used = step.num_tokens if step is not None else 0
+        logits = step.logits_indices.shape[0] if step is not None else 0
+        if step is not None:
+            ids[:used], pos[:used] = step.input_ids.numpy(), step.positions.numpy()
+            slots[:used] = step.slot_mapping.numpy()
+            rows[:logits] = step.logits_indices.numpy()
+            lens[:n], starts[: n + 1] = step.context_lens.numpy(), step.query_start_loc.numpy()
+            tables[:n, : step.block_tables.shape[1]] = step.block_tables.numpy()
+        pad = t - used
+        ids[used:], pos[used:], slots[used:], rows[logits:] = 0, np.arange(pad), -1, 0
+        lens[n], lens[n + 1 :] = pad, 0
+        starts[n + 1 :] = t
+        # The padding sequence reads its blocks (block 0); the rows after it are never read
+        # (no tokens), so only the tables up to its row are copied.
+        tables[n, : -(-pad // self.block_size)] = 0
+        self.dev64.copy_(self.host64, non_blocking=True)
+        width = 2 * s + 1 + (n + 1) * self.max_blocks
+        self.dev32[:width].copy_(self.host32[:width], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return logits

@@ -2,9 +2,10 @@
 
 The graph is parsed without its external data; each weight is then a view of one read-only
 mapping of the weights file at the offset the graph records (no protobuf copy, no numpy copy)
-and goes to the device in file order. On a GPU, the file's sha256 is computed on another
-thread meanwhile (hashlib and the copies release the GIL), so checking the artifact costs
-no time of its own when the copies take longer than the hash."""
+and goes to the device in file order. On a GPU, the file is checked against the manifest on
+other threads meanwhile (hashlib and the copies release the GIL; a file recorded in 128 MiB
+chunks is hashed a chunk a thread, `Artifact.verify`), so checking the artifact costs no time of
+its own when the copies take longer than the hash."""
 
 from __future__ import annotations
 

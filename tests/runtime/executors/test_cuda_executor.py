@@ -68,6 +68,38 @@ def test_multi_token_steps_replay_a_graph_with_the_eager_logits(tiny_artifacts, 
     assert set(graphed.multi_graphs) == {(4, 5), (4, 2)}
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
+def test_mixed_steps_replay_a_token_bucket_graph_with_the_eager_logits(tiny_artifacts, name):
+    """Prefill and mixed prefill + decode steps replay the graph of their token bucket
+    (captured at start), padded by one sequence: the logits rows and KV writes equal an eager
+    executor's; a step the graphs cannot hold runs eagerly."""
+    from trtc.runtime.executors.cuda_executor import CudaExecutor
+
+    art = Artifact.open(tiny_artifacts[name])
+    eager = CudaExecutor(art, num_blocks=64, use_cuda_graphs=False)
+    graphed = CudaExecutor(art, num_blocks=64)
+    assert sorted(graphed.mixed_graphs) == [128, 192, 256]  # above 8 seqs, at most 256 tokens
+    prompts = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
+    tables = [[0, 1, 2, 3], [10, 11, 12], [20, 21]]
+    steps = [
+        [SequenceWork(p, 0, t) for p, t in zip(prompts, tables)],  # 63 tokens: bucket 128
+        [
+            SequenceWork([7], len(prompts[0]), tables[0]),
+            SequenceWork(list(range(60, 210)), 0, list(range(30, 40))),  # 150-token chunk
+            SequenceWork([8, 9, 10], len(prompts[1]), tables[1], num_logits=3),
+            SequenceWork([11], len(prompts[2]), tables[2]),
+        ],  # 155 tokens: bucket 192
+        # 8 sequences: no room for the padding one in the 8-sequence graphs: eager.
+        [SequenceWork(list(range(i, i + 20)), 0, [41 + 2 * i, 42 + 2 * i]) for i in range(8)],
+    ]
+    for work in steps:
+        step = make_step(work, 16)
+        a, b = eager.execute(step), graphed.execute(step)
+        assert b.shape == a.shape
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)
+
+
 # tiny-qwen3: per-head q/k norms, its layers left to the unfused rotary and cache write.
 @pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
 def test_greedy_generation_same_on_gpu_and_cpu(tiny_artifacts, name):
