@@ -56,6 +56,42 @@ def make_requests(
     ]
 
 
+def text_requests(
+    token_ids: list[int],
+    n: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+) -> list[BenchRequest]:
+    """A reproducible request set of real text: each prompt a window of ``token_ids`` (a text
+    tokenized by the model's tokenizer) at a seeded offset, its length drawn from
+    ``prompt_len``; fixed output lengths."""
+    if len(token_ids) < prompt_len[1]:
+        raise ValueError(
+            f"the text is {len(token_ids)} tokens long: too short for prompts of up to "
+            f"{prompt_len[1]} tokens (--prompt-len)"
+        )
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        length = rng.randint(*prompt_len)
+        start = rng.randrange(len(token_ids) - length + 1)
+        requests.append(BenchRequest(token_ids[start : start + length], rng.randint(*output_len)))
+    return requests
+
+
+def request_set(spec: dict, vocab: int, reserved: set[int], tokenizer=None) -> list[BenchRequest]:
+    """The requests of ``spec`` (`make_requests`' ``n``, ``prompt_len``, ``output_len``,
+    ``seed``, and optionally ``text``: a text to cut the prompts from with ``tokenizer``,
+    instead of random tokens)."""
+    spec = dict(spec)
+    text = spec.pop("text", None)
+    if text is None:
+        return make_requests(vocab=vocab, reserved=reserved, **spec)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text_requests(list(ids), **spec)
+
+
 def percentiles(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -411,7 +447,7 @@ def bench_artifact(
     engine = LLMEngine(artifact, engine_config)
     special = set(engine.tokenizer.all_special_ids)
     vocab = engine.manifest.model.vocab_size
-    requests = make_requests(vocab=vocab, reserved=special, **requests_spec)
+    requests = request_set(requests_spec, vocab, special, engine.tokenizer)
     seed = requests_spec["seed"]
     # Warm up first: the first steps of a fresh process pay one-off allocation costs.
     warmup = make_requests(
@@ -448,17 +484,29 @@ def bench_artifact(
 
 
 def bench_url(
-    url: str, requests_spec: dict, concurrency: int, rate: float | None, api_key: str | None = None
+    url: str,
+    requests_spec: dict,
+    concurrency: int,
+    rate: float | None,
+    api_key: str | None = None,
+    tokenizer=None,
 ) -> list[dict]:
-    """Replay the request set against a running `trtc serve`."""
+    """Replay the request set against a running `trtc serve` (a real-text set is cut with
+    ``tokenizer``, the served model's, as in-process)."""
     import httpx
 
+    if "text" in requests_spec and tokenizer is None:
+        raise ValueError(
+            "real-text prompts (--text) against --url need the served model's tokenizer: give "
+            "its ARTIFACT directory too"
+        )
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers).json()["data"][0]
-    requests = make_requests(
-        vocab=model.get("vocab_size", 32000),
-        reserved=set(model.get("special_token_ids", ())),  # as in-process: the same request set
-        **requests_spec,
+    requests = request_set(
+        requests_spec,
+        model.get("vocab_size", 32000),
+        set(model.get("special_token_ids", ())),  # as in-process: the same request set
+        tokenizer,
     )
     return [run_server(url, requests, concurrency, rate, requests_spec["seed"], api_key)]
 

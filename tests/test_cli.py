@@ -266,3 +266,14 @@ def test_rtx_refuses_hopper_target_before_work(tmp_path):
     )
     assert r.returncode == 2 and "sm90" in r.stderr and "it supports" in r.stderr
     assert not out.exists()
+
+
+def test_bench_text_option_checks_its_arguments(tiny_artifacts, tmp_path):
+    art = str(tiny_artifacts["tiny-llama"])
+    r = run("bench", art, "--url", "http://127.0.0.1:9", "-n", "2")
+    assert r.returncode == 2 and "both only with --text" in r.stderr
+    r = run("bench", art, "-n", "2", "--text", str(tmp_path / "missing.txt"), "--mode", "inflight")
+    assert r.returncode == 1 and "neither 'pydoc'" in r.stderr
+    r = run("bench", art, "-n", "2", "--text", "pydoc", "--mode", "inflight", "--executor", "torch")
+    assert r.returncode == 0, r.stderr
+    assert "(text: pydoc)" in r.stdout

@@ -409,6 +409,12 @@ def bench(
     prompt_len: str = typer.Option("32:256", help="prompt tokens, MIN:MAX (uniform)"),
     output_len: str = typer.Option("16:128", help="output tokens, MIN:MAX (uniform; EOS ignored)"),
     seed: int = typer.Option(0, help="seed of the request set and of Poisson arrivals"),
+    text: str | None = typer.Option(
+        None,
+        help="cut the prompts from real text instead of random tokens: 'pydoc' (the Python "
+        "documentation's topics, which every Python ships) or a UTF-8 file; with --url, give "
+        "the served ARTIFACT too (its tokenizer cuts the same prompts)",
+    ),
     concurrency: int = typer.Option(
         16, help="requests in flight (in-flight mode) / batch size (static mode)"
     ),
@@ -453,9 +459,11 @@ def bench(
     from trtc import envs
     from trtc.runtime import bench as B
 
-    if (artifact is None) == (url is None):
+    if artifact is None and url is None or (artifact and url and text is None):
         raise typer.BadParameter(
-            "give either an ARTIFACT directory or --url", param_hint="ARTIFACT/--url"
+            "give either an ARTIFACT directory or --url (both only with --text: the ARTIFACT's "
+            "tokenizer then cuts the prompts)",
+            param_hint="ARTIFACT/--url",
         )
     baselines = tuple(baseline.split(",")) if baseline else ()
     if not set(baselines) <= {"hf", "hf-cb"}:
@@ -467,8 +475,20 @@ def bench(
     plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
     spec = {"n": num_requests, "prompt_len": plen, "output_len": olen, "seed": seed}
     try:
+        if text is not None:
+            from trtc.corpus import read_text
+
+            spec["text"] = read_text(text)
         if url:
-            results = B.bench_url(url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY)
+            tokenizer = None
+            if artifact is not None:
+                from trtc.artifact import Artifact
+                from trtc.runtime.engine.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(Artifact.open(artifact).tokenizer_dir)
+            results = B.bench_url(
+                url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY, tokenizer
+            )
         else:
             hf_loader = None
             if baselines:
@@ -501,8 +521,9 @@ def bench(
         _fail(e)
 
     table = Table(
-        title=f"trtc bench: {num_requests} requests, prompts {prompt_len}, "
-        f"outputs {output_len}, seed {seed}"
+        title=f"trtc bench: {num_requests} requests, prompts {prompt_len}"
+        + (f" (text: {text})" if text else "")
+        + f", outputs {output_len}, seed {seed}"
     )
     table.add_column("metric")
     for r in results:

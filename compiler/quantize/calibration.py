@@ -1,9 +1,8 @@
 """Calibration text -> token batches, deterministically.
 
-The default text is the English text of the Python documentation's topics that every Python
-ships (`pydoc_data.topics.topics`: the language reference pages behind ``help('TOPIC')``),
-values joined in sorted key order. It needs no download, and its hash goes into the manifest so
-a build can say exactly what it calibrated on.
+The default text is the built-in one (`trtc.corpus`: the Python documentation's topics, which
+every Python ships). It needs no download, and its hash goes into the manifest so a build can
+say exactly what it calibrated on.
 """
 
 from __future__ import annotations
@@ -12,13 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_SOURCE = "pydoc_data.topics"
-
-
-def default_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
+from trtc.corpus import DEFAULT_SOURCE, default_text
 
 
 def text_sha256(text: str) -> str:

@@ -12,14 +12,13 @@ from harness.quantize_models import CALIB, outlier_model
 from trtc.compiler.quantize import fp8 as fp8_mod
 from trtc.compiler.quantize import gptq, quantize_model, rtn
 from trtc.compiler.quantize.calibration import (
-    DEFAULT_SOURCE,
     calibration_data,
     calibration_token_batches,
-    default_text,
     text_sha256,
 )
 from trtc.compiler.quantize.layers import LINEARS
 from trtc.compiler.tiny import byte_tokenizer, tiny_model
+from trtc.corpus import DEFAULT_SOURCE, default_text
 from trtc.plugins.int4_gemm import unpack_int4
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from harness.serving import ServerProcess
-from trtc.runtime.bench import bench_artifact, bench_url, make_requests
+from trtc.artifact import Artifact
+from trtc.corpus import default_text
+from trtc.runtime.bench import bench_artifact, bench_url, make_requests, request_set
 from trtc.runtime.engine import EngineConfig
+from trtc.runtime.engine.tokenizer import load_tokenizer
 
 SPEC = {"n": 12, "prompt_len": (8, 40), "output_len": (4, 24), "seed": 0}
+TEXT_SPEC = {**SPEC, "text": default_text()}
 
 
 def test_server_and_in_process_count_the_same_tokens(tiny_artifacts, tmp_path):
@@ -17,12 +22,20 @@ def test_server_and_in_process_count_the_same_tokens(tiny_artifacts, tmp_path):
     artifact = tiny_artifacts["tiny-llama"]
     config = EngineConfig(executor="torch", max_num_seqs=4, enable_prefix_caching=False)
     (local,) = bench_artifact(artifact, config, SPEC, 4, None, ["inflight"], log=lambda _: None)
+    (local_text,) = bench_artifact(
+        artifact, config, TEXT_SPEC, 4, None, ["inflight"], log=lambda _: None
+    )
+    tokenizer = load_tokenizer(Artifact.open(artifact).tokenizer_dir)
     server = ServerProcess(artifact, tmp_path / "server.log", "--max-num-seqs", "4")
     try:
         (http,) = bench_url(server.url, SPEC, 4, None)
+        (http_text,) = bench_url(server.url, TEXT_SPEC, 4, None, tokenizer=tokenizer)
         card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     finally:
         server.stop()
+    # Real-text prompts: the same windows in-process and through the server.
+    assert local_text["prompt_tokens"] == http_text["prompt_tokens"] != local["prompt_tokens"]
+    assert local_text["output_tokens"] == http_text["output_tokens"]
     requests = make_requests(
         vocab=card["vocab_size"], reserved=set(card["special_token_ids"]), **SPEC
     )
@@ -47,3 +60,19 @@ def test_transformers_continuous_batching_baseline_runs_the_same_set(tiny_artifa
     # EOS ignored: every request gets exactly the tokens it asked for.
     assert result["output_tokens"] == sum(r.max_tokens for r in requests)
     assert result["prompt_tokens"] == sum(len(r.prompt_ids) for r in requests)
+
+
+def test_real_text_prompts_are_windows_of_the_text(tiny_artifacts):
+    tokenizer = load_tokenizer(Artifact.open(tiny_artifacts["tiny-llama"]).tokenizer_dir)
+    text = default_text()
+    requests = request_set(TEXT_SPEC, 512, set(), tokenizer)
+    again = request_set(TEXT_SPEC, 512, set(), tokenizer)
+    assert [r.prompt_ids for r in requests] == [r.prompt_ids for r in again]  # seeded
+    assert len({tuple(r.prompt_ids) for r in requests}) == 12
+    for r in requests:
+        assert 8 <= len(r.prompt_ids) <= 40 and 4 <= r.max_tokens <= 24
+        assert tokenizer.decode(r.prompt_ids) in text
+    with pytest.raises(ValueError, match="too short for prompts of up to 40"):
+        request_set({**SPEC, "text": "too short"}, 512, set(), tokenizer)
+    with pytest.raises(ValueError, match="give its ARTIFACT directory too"):
+        bench_url("http://127.0.0.1:9", TEXT_SPEC, 4, None)
