@@ -51,9 +51,10 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "fragment kernel's",
     ),
     "TRTC_MIXED_GRAPHS": (
-        _flag("TRTC_MIXED_GRAPHS", True),
-        "0: the cuda executor runs prefill and mixed prefill + decode steps eagerly instead of "
-        "replaying graphs captured per token bucket",
+        _flag("TRTC_MIXED_GRAPHS", False),
+        "1: the cuda executor replays prefill and mixed prefill + decode steps from graphs "
+        "captured per token bucket instead of running them eagerly (off by default: no faster "
+        "on the measured workload, BENCHMARKS.md)",
     ),
     "TRTC_TUNING": (
         _flag("TRTC_TUNING", True),

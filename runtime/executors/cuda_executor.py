@@ -1,6 +1,6 @@
 """The CUDA executor: the torch executor on a GPU, with the KV pool preallocated from a memory
-fraction and every kind of step replayed from CUDA graphs (a step run eagerly is mostly host
-overhead on a small model: a few hundred kernel launches from Python).
+fraction and steps replayed from CUDA graphs (a decode step run eagerly is mostly host overhead
+on a small model: a few hundred kernel launches from Python).
 
 - Decode steps: a graph per batch size; a step of ``n`` sequences replays the smallest captured
   size ``>= n``; the extra rows are padding (slot -1, so nothing is written; one visible cached
@@ -8,12 +8,15 @@ overhead on a small model: a few hundred kernel launches from Python).
 - Steps of a few tokens a sequence (speculative verification): a graph per (batch, tokens)
   bucket, captured on first use, each sequence padded to its bucket's tokens
   (`MultiTokenInputs`).
-- Prefill and mixed prefill + decode steps: a graph per token bucket (`MIXED_TOKEN_BUCKETS`),
-  over the largest decode batch of sequences; the step's tokens are followed by one padding
-  sequence that takes the bucket's remaining tokens, and the sequences after it have none
-  (`MixedStepInputs`). The attention kernels' launch depends on shapes only, so one graph serves
-  every step of its bucket. Longer steps, and steps asking for more logits rows than sequences
-  fit, run eagerly."""
+- Prefill and mixed prefill + decode steps run eagerly by default; with ``TRTC_MIXED_GRAPHS=1``
+  (or ``mixed_graphs=True``) they replay a graph per token bucket (`MIXED_TOKEN_BUCKETS`), over
+  the largest decode batch of sequences: the step's tokens are followed by one padding sequence
+  that takes the bucket's remaining tokens, and the sequences after it have none
+  (`MixedStepInputs`). The attention kernels' launch depends on shapes only, so one graph
+  serves every step of its bucket. Off by default because the steps of the measured mixed
+  workload are bound by the GPU, not by launches: the padding costs what the launches save
+  (BENCHMARKS.md, 2026-12-06). Longer steps, and steps asking for more logits rows than
+  sequences fit, run eagerly."""
 
 from __future__ import annotations
 

@@ -70,14 +70,15 @@ def test_multi_token_steps_replay_a_graph_with_the_eager_logits(tiny_artifacts, 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
 def test_mixed_steps_replay_a_token_bucket_graph_with_the_eager_logits(tiny_artifacts, name):
-    """Prefill and mixed prefill + decode steps replay the graph of their token bucket
-    (captured at start), padded by one sequence: the logits rows and KV writes equal an eager
-    executor's; a step the graphs cannot hold runs eagerly."""
+    """With mixed-step graphs on, prefill and mixed prefill + decode steps replay the graph of
+    their token bucket (captured at start), padded by one sequence: the logits rows and KV
+    writes equal an eager executor's; a step the graphs cannot hold runs eagerly."""
     from trtc.runtime.executors.cuda_executor import CudaExecutor
 
     art = Artifact.open(tiny_artifacts[name])
-    eager = CudaExecutor(art, num_blocks=64, use_cuda_graphs=False)
-    graphed = CudaExecutor(art, num_blocks=64)
+    eager = CudaExecutor(art, num_blocks=64, mixed_graphs=False)
+    graphed = CudaExecutor(art, num_blocks=64, mixed_graphs=True)
+    assert eager.graphs and not eager.mixed_graphs
     assert sorted(graphed.mixed_graphs) == [128, 192, 256]  # above 8 seqs, at most 256 tokens
     prompts = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
     tables = [[0, 1, 2, 3], [10, 11, 12], [20, 21]]
