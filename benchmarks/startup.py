@@ -28,6 +28,7 @@ import httpx
 
 from trtc.runtime.distributed.group import free_port
 
+STARTUP_TIMEOUT_S = 600  # a server that neither comes up nor exits ends the run
 FIRST = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 
 
@@ -67,6 +68,8 @@ def serve_once(artifact: str, env: dict, log_path: str) -> dict:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            if time.perf_counter() - start > STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S} s; see {log_path}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break

@@ -39,11 +39,7 @@ _READ_BYTES = 1 << 23  # hashlib releases the GIL on buffers this large
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_READ_BYTES), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return _sha256_range(path, 0, os.path.getsize(path))
 
 
 class FileDigest:

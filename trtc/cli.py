@@ -459,7 +459,7 @@ def bench(
     from trtc import envs
     from trtc.runtime import bench as B
 
-    if artifact is None and url is None or (artifact and url and text is None):
+    if (artifact is None and url is None) or (artifact and url and text is None):
         raise typer.BadParameter(
             "give either an ARTIFACT directory or --url (both only with --text: the ARTIFACT's "
             "tokenizer then cuts the prompts)",

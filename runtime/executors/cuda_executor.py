@@ -273,7 +273,7 @@ class CudaExecutor(TorchExecutor):
     def _replay_mixed(self, step: StepInputs, input_ids: torch.Tensor | None):
         """A prefill or mixed step from the graph of the smallest token bucket that holds it
         and one padding sequence; None when none does (then it runs eagerly)."""
-        tokens = next((t for t in sorted(self.mixed_graphs) if t >= step.num_tokens), None)
+        tokens = next((t for t in self.mixed_sizes if t >= step.num_tokens), None)  # ascending
         if tokens is None:
             return None
         graph, inputs = self.mixed_graphs[tokens]

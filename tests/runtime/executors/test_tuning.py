@@ -12,14 +12,7 @@ import tarfile
 
 import pytest
 
-from trtc.artifact import (
-    Artifact,
-    FileRecord,
-    TuningRecord,
-    read_manifest,
-    sha256_file,
-    write_manifest,
-)
+from trtc.artifact import Artifact, TuningRecord, file_record, read_manifest, write_manifest
 from trtc.runtime.executors.tuning import (
     KernelEnvironment,
     Tuning,
@@ -51,9 +44,7 @@ def tuned(tiny_artifacts, tmp_path, monkeypatch):
     (art / json_name).write_text(json.dumps({"choices": choices.to_json()}))
     m = read_manifest(art)
     for name in (json_name, tar_name):
-        m.files[name] = FileRecord(
-            bytes=(art / name).stat().st_size, sha256=sha256_file(art / name)
-        )
+        m.files[name] = file_record(art / name)
     m.tuning = {
         "sm90": TuningRecord(
             device=HERE.device,
