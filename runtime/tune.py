@@ -19,6 +19,7 @@ tune."""
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import statistics
@@ -42,7 +43,14 @@ from trtc.artifact import (
 from trtc.contract import SequenceWork, make_step
 from trtc.errors import ArtifactError
 from trtc.runtime.bench import make_requests, run_engine
-from trtc.runtime.executors.tuning import KernelEnvironment, Tuning, tuning_files, use_triton_cache
+from trtc.runtime.executors.tuning import (
+    KernelEnvironment,
+    Tuning,
+    is_group_file,
+    portable_group,
+    tuning_files,
+    use_triton_cache,
+)
 
 DECODE_CONTEXT = 512  # cached tokens per sequence in the timed decode steps
 GEMV_CANDIDATES = (1, 2, 4, 8)  # decode batches where the GEMV may beat cuBLAS
@@ -152,7 +160,9 @@ def cover(engine, log: Callable[[str], None]) -> dict:
 
 def pack(cache: Path, out: Path) -> int:
     """``cache`` (a Triton cache directory) as a tar at ``out``, entries sorted and times zeroed
-    (the same kernels make the same archive); returns the number of kernel files."""
+    (the same kernels make the same archive), each kernel's group file listing its files
+    relative to the cache (`portable_group`: ``cache`` is gone once the tune ends); returns the
+    number of kernel files."""
     count = 0
     with tarfile.open(out, "w") as tar:
         for path in sorted(cache.rglob("*")):
@@ -160,8 +170,11 @@ def pack(cache: Path, out: Path) -> int:
                 continue
             info = tar.gettarinfo(str(path), str(path.relative_to(cache)))
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            with open(path, "rb") as f:
-                tar.addfile(info, f)
+            data = path.read_bytes()
+            if is_group_file(path):  # lists the kernel's files by their paths in `cache`
+                data = portable_group(data)
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
             count += path.suffix == ".cubin"
     return count
 

@@ -108,17 +108,23 @@ class AsyncEngine:
                 self.observer.observe_step(engine.last_step)
             for out in outputs:
                 self.observer.observe_output(out)
-                self._deliver(out)
+            self._deliver(*outputs)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-        except RuntimeError:  # the loop closed under us (shutdown)
-            pass
+    def _deliver(self, *outs: RequestOutput) -> None:
+        """Hand outputs to their streams: one wake-up of each event loop for a step's outputs,
+        not one per output (each wakes the loop through a pipe, and a busy server steps
+        thousands of outputs a second)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, queue = stream
+                by_loop.setdefault(loop, []).append((queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop closed under us (shutdown)
+                pass
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.check_request(prompt_ids, params)
@@ -133,7 +139,10 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
+        """Yield the request's outputs as tokens arrive, one per step, or the outputs that
+        arrived while the consumer was busy as one (`RequestOutput.then`: a slow client gets
+        several tokens a chunk instead of falling further behind); abort the request if the
+        consumer goes away."""
         self.check(prompt_ids, params)
         if self.num_pending >= self.max_pending:
             self.observer.observe_rejected()
@@ -149,6 +158,8 @@ class AsyncEngine:
         try:
             while True:
                 out = await queue.get()
+                while not out.finished and not queue.empty():  # the consumer fell behind
+                    out = out.then(queue.get_nowait())
                 if out.finish_reason and out.finish_reason.startswith("error: "):
                     raise RequestError(out.finish_reason.removeprefix("error: "))
                 finished = out.finished
@@ -160,3 +171,8 @@ class AsyncEngine:
             if not finished:
                 self._commands.append(("abort", request_id))
                 self._wake.set()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)

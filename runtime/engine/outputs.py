@@ -3,7 +3,7 @@ its state (`EngineStats`) that the server's health and metrics read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 
 class RequestError(ValueError):
@@ -24,6 +24,15 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """``later`` as if this output had not been read: its new tokens and text follow this
+        one's (a stream that fell behind sends the outputs waiting for it as one)."""
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            delta_text=self.delta_text + later.delta_text,
+        )
 
 
 @dataclass(frozen=True)

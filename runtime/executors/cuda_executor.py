@@ -78,6 +78,13 @@ def decode_graph_sizes(limits: Limits, max_graph_batch: int | None = None) -> li
     return sizes if sizes[-1] == top else [*sizes, top]
 
 
+def mixed_graph_seqs(decode_batch: int) -> int:
+    """The sequences of a prefill / mixed-step graph: every sequence a step may run (the
+    largest decode batch) and the padding one (`MixedStepInputs`). A step at full concurrency
+    (a new prompt's chunk beside every other running sequence's token) is the common one."""
+    return decode_batch + 1
+
+
 def mixed_token_buckets(limits: Limits, seqs: int) -> list[int]:
     """The token buckets of the prefill / mixed-step graphs over ``seqs`` sequences: more
     tokens than sequences (a prefill launch), at most a step's and a context's."""
@@ -138,7 +145,8 @@ class CudaExecutor(TorchExecutor):
         if mixed_graphs is None:
             mixed_graphs = envs.TRTC_MIXED_GRAPHS
         mixed_graphs = mixed_graphs and use_cuda_graphs
-        self.mixed_sizes = mixed_token_buckets(limits, self.graph_sizes[-1]) if mixed_graphs else []
+        self.mixed_seqs = mixed_graph_seqs(self.graph_sizes[-1])
+        self.mixed_sizes = mixed_token_buckets(limits, self.mixed_seqs) if mixed_graphs else []
         if num_blocks is None:
             num_blocks = self.pool_blocks(
                 manifest, device, memory_fraction, self.int4_fragments, mixed_graphs
@@ -182,7 +190,7 @@ class CudaExecutor(TorchExecutor):
         weight_bytes = manifest.graph.weight_bytes["total"]
         if int4_fragments:
             weight_bytes += int4_fragment_bytes(manifest)
-        seqs = decode_graph_sizes(manifest.limits)[-1]
+        seqs = mixed_graph_seqs(decode_graph_sizes(manifest.limits)[-1])
         buckets = mixed_token_buckets(manifest.limits, seqs) if mixed_graphs else []
         if buckets:
             weight_bytes += mixed_graph_bytes(manifest, buckets[-1], seqs)
@@ -257,7 +265,7 @@ class CudaExecutor(TorchExecutor):
         self.mixed_graphs.clear()
         if not self.mixed_sizes:
             return
-        seqs = self.graph_sizes[-1]
+        seqs = self.mixed_seqs
         vocab = self.manifest.model.vocab_size
         self.mixed_logits = torch.empty(seqs, vocab, dtype=torch.float32, device=self.device)
         pool = None

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import tarfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -145,6 +146,44 @@ def kernel_cache(sha256: str) -> Path:
     return envs.cache_dir() / "kernels" / sha256[:32]
 
 
+# Triton's cache holds a kernel's files in ``<cache>/<key>/`` and finds them through a group
+# file, ``<key>/__grp__<name>.json``, that lists them by absolute path: a kernel whose listed
+# files are missing is compiled again. The tune's cache is a temporary directory, so the
+# archive lists them relative to the cache, and unpacking lists them where they land.
+GROUP_PREFIX = "__grp__"
+
+
+def _key_and_name(path: str) -> str:
+    return "/".join(Path(path).parts[-2:])  # "<key>/<file>", wherever the cache was
+
+
+def _group_with_paths(data: bytes, place: Callable[[str], str]) -> bytes:
+    group = json.loads(data)
+    children = group.get("child_paths")
+    if isinstance(children, dict):
+        group["child_paths"] = {name: place(path) for name, path in sorted(children.items())}
+    return json.dumps(group, sort_keys=True).encode()
+
+
+def portable_group(data: bytes) -> bytes:
+    """A Triton group file's contents with its files listed as ``<key>/<file>``."""
+    return _group_with_paths(data, _key_and_name)
+
+
+def is_group_file(path: Path) -> bool:
+    return path.name.startswith(GROUP_PREFIX) and path.suffix == ".json"
+
+
+def rebase_groups(directory: Path, final: Path) -> None:
+    """List the files of each group in ``directory`` (unpacked there, to be renamed to
+    ``final``) by their paths under ``final``. Archives that list absolute paths of the
+    machine that tuned them are mended the same way."""
+    for path in directory.glob(f"*/{GROUP_PREFIX}*.json"):
+        path.write_bytes(
+            _group_with_paths(path.read_bytes(), lambda p: str(final / _key_and_name(p)))
+        )
+
+
 def install_kernels(archive: Path, sha256: str) -> Path:
     """Unpack ``archive`` (its ``sha256`` checked by the caller) into the trtc cache once, then
     make it Triton's cache directory for this process."""
@@ -154,6 +193,7 @@ def install_kernels(archive: Path, sha256: str) -> Path:
         staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         with tarfile.open(archive) as tar:
             tar.extractall(staging, filter="data")  # no links out, no devices, no absolute paths
+        rebase_groups(staging, target)
         try:
             os.replace(staging, target)  # another replica may have unpacked it first: fine
         except OSError:

@@ -9,7 +9,6 @@ when the generation would have ended."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator
 
 from fastapi import Request
@@ -73,7 +72,7 @@ async def collect(
 
 def sse(message: BaseModel | str) -> str:
     """One server-sent event; a model is sent as its JSON."""
-    data = message if isinstance(message, str) else json.dumps(message.model_dump())
+    data = message if isinstance(message, str) else message.model_dump_json()  # pydantic-core
     return f"data: {data}\n\n"
 
 

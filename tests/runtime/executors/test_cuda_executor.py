@@ -71,31 +71,49 @@ def test_multi_token_steps_replay_a_graph_with_the_eager_logits(tiny_artifacts, 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
 def test_mixed_steps_replay_a_token_bucket_graph_with_the_eager_logits(tiny_artifacts, name):
     """With mixed-step graphs on, prefill and mixed prefill + decode steps replay the graph of
-    their token bucket (captured at start), padded by one sequence: the logits rows and KV
-    writes equal an eager executor's; a step the graphs cannot hold runs eagerly."""
+    their token bucket (captured at start), padded by one sequence, also when they run as many
+    sequences as a step may: the logits rows and KV writes equal an eager executor's; a step
+    the graphs cannot hold (more logits rows than sequences) runs eagerly."""
     from trtc.runtime.executors.cuda_executor import CudaExecutor
 
     art = Artifact.open(tiny_artifacts[name])
     eager = CudaExecutor(art, num_blocks=64, mixed_graphs=False)
     graphed = CudaExecutor(art, num_blocks=64, mixed_graphs=True)
     assert eager.graphs and not eager.mixed_graphs
-    assert sorted(graphed.mixed_graphs) == [128, 192, 256]  # above 8 seqs, at most 256 tokens
+    assert max(graphed.graphs) == 8 and graphed.mixed_seqs == 9  # 8 running and the padding
+    assert sorted(graphed.mixed_graphs) == [128, 192, 256]  # above 9 seqs, at most 256 tokens
+    eager_runs = []
+    forward = graphed.forward
+    graphed.forward = lambda feeds: eager_runs.append(1) or forward(feeds)
     prompts = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
     tables = [[0, 1, 2, 3], [10, 11, 12], [20, 21]]
+    eight = [[41 + 2 * i, 42 + 2 * i] for i in range(8)]
     steps = [
-        [SequenceWork(p, 0, t) for p, t in zip(prompts, tables)],  # 63 tokens: bucket 128
-        [
-            SequenceWork([7], len(prompts[0]), tables[0]),
-            SequenceWork(list(range(60, 210)), 0, list(range(30, 40))),  # 150-token chunk
-            SequenceWork([8, 9, 10], len(prompts[1]), tables[1], num_logits=3),
-            SequenceWork([11], len(prompts[2]), tables[2]),
-        ],  # 155 tokens: bucket 192
-        # 8 sequences: no room for the padding one in the 8-sequence graphs: eager.
-        [SequenceWork(list(range(i, i + 20)), 0, [41 + 2 * i, 42 + 2 * i]) for i in range(8)],
+        ([SequenceWork(p, 0, t) for p, t in zip(prompts, tables)], False),  # 63 tokens: 128
+        (
+            [
+                SequenceWork([7], len(prompts[0]), tables[0]),
+                SequenceWork(list(range(60, 210)), 0, list(range(30, 40))),  # 150-token chunk
+                SequenceWork([8, 9, 10], len(prompts[1]), tables[1], num_logits=3),
+                SequenceWork([11], len(prompts[2]), tables[2]),
+            ],
+            False,
+        ),  # 155 tokens: bucket 192
+        # 8 sequences, the most a step runs: the graph's ninth is the padding one.
+        ([SequenceWork(list(range(i, i + 20)), 0, eight[i]) for i in range(8)], False),
+        # 7 sequences verifying two drafts and a new prompt: 22 logits rows, more than the
+        # graphs' 9: eager.
+        (
+            [SequenceWork([i, i + 1, i + 2], 20, eight[i], num_logits=3) for i in range(7)]
+            + [SequenceWork(list(range(300, 400)), 0, list(range(57, 64)))],
+            True,
+        ),
     ]
-    for work in steps:
+    for work, runs_eagerly in steps:
         step = make_step(work, 16)
+        eager_runs.clear()
         a, b = eager.execute(step), graphed.execute(step)
+        assert bool(eager_runs) == runs_eagerly
         assert b.shape == a.shape
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from trtc.artifact import Artifact, TuningRecord, file_record, read_manifest, wr
 from trtc.runtime.executors.tuning import (
     KernelEnvironment,
     Tuning,
+    install_kernels,
     kernel_cache,
     load_tuning,
     tuning_files,
@@ -140,3 +142,37 @@ def test_archive_is_the_same_for_the_same_kernels(tmp_path):
     assert (tmp_path / "one.tar").read_bytes() == (tmp_path / "two.tar").read_bytes()
     with tarfile.open(tmp_path / "one.tar") as tar:
         assert tar.getnames() == ["A.json", "B/x.cubin"]
+
+
+def test_unpacked_kernels_are_found_by_tritons_cache(tmp_path, monkeypatch):
+    """Triton finds a cached kernel through a group file that lists its files by absolute path:
+    the archive must not keep the tune's (temporary) paths, and unpacking must list the files
+    where they land, or every shipped kernel is compiled again at start."""
+    import triton
+    from triton.runtime.cache import FileCacheManager
+
+    monkeypatch.setenv("TRTC_CACHE_DIR", str(tmp_path / "cache"))
+    tune_cache = tmp_path / "trtc-tune-xyz" / "triton"
+    triton.knobs.cache.dir = str(tune_cache)
+    try:
+        made = FileCacheManager("KEY")
+        files = {
+            name: made.put(b"compiled " + name.encode(), name) for name in ("k.cubin", "k.json")
+        }
+        made.put_group("k.json", files)
+        assert made.get_group("k.json") == files  # as Triton looks a compiled kernel up
+        pack(tune_cache, tmp_path / "kernels.tar")
+        shutil.rmtree(tmp_path / "trtc-tune-xyz")  # the tune's cache is a temporary directory
+        assert str(tmp_path).encode() not in (tmp_path / "kernels.tar").read_bytes()
+
+        target = install_kernels(tmp_path / "kernels.tar", "ab" * 32)
+        assert triton.knobs.cache.dir == str(target)
+        group = FileCacheManager("KEY").get_group("k.json")
+        assert group is not None, "Triton would compile the shipped kernel again"
+        assert {name: Path(path).read_bytes() for name, path in group.items()} == {
+            "k.cubin": b"compiled k.cubin",
+            "k.json": b"compiled k.json",
+        }
+        assert all(Path(path).parent == target / "KEY" for path in group.values())
+    finally:
+        triton.knobs.cache.dir = None
