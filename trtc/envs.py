@@ -51,10 +51,10 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "fragment kernel's",
     ),
     "TRTC_MIXED_GRAPHS": (
-        _flag("TRTC_MIXED_GRAPHS", False),
-        "1: the cuda executor replays prefill and mixed prefill + decode steps from graphs "
-        "captured per token bucket instead of running them eagerly (off by default: no faster "
-        "on the measured workload, BENCHMARKS.md)",
+        _flag("TRTC_MIXED_GRAPHS", True),
+        "0: the cuda executor runs prefill and mixed prefill + decode steps eagerly instead of "
+        "replaying them from graphs captured per token bucket (which hold GPU memory: the "
+        "largest bucket's activations)",
     ),
     "TRTC_TUNING": (
         _flag("TRTC_TUNING", True),

@@ -8,15 +8,15 @@ on a small model: a few hundred kernel launches from Python).
 - Steps of a few tokens a sequence (speculative verification): a graph per (batch, tokens)
   bucket, captured on first use, each sequence padded to its bucket's tokens
   (`MultiTokenInputs`).
-- Prefill and mixed prefill + decode steps run eagerly by default; with ``TRTC_MIXED_GRAPHS=1``
-  (or ``mixed_graphs=True``) they replay a graph per token bucket (`MIXED_TOKEN_BUCKETS`), over
-  the largest decode batch of sequences: the step's tokens are followed by one padding sequence
-  that takes the bucket's remaining tokens, and the sequences after it have none
-  (`MixedStepInputs`). The attention kernels' launch depends on shapes only, so one graph
-  serves every step of its bucket. Off by default because the steps of the measured mixed
-  workload are bound by the GPU, not by launches: the padding costs what the launches save
-  (BENCHMARKS.md, 2026-12-06). Longer steps, and steps asking for more logits rows than
-  sequences fit, run eagerly."""
+- Prefill and mixed prefill + decode steps: a graph per token bucket (`MIXED_TOKEN_BUCKETS`),
+  captured at start over every sequence a step may run and one more: the step's tokens are
+  followed by one padding sequence that takes the bucket's remaining tokens, and the sequences
+  after it have none (`MixedStepInputs`). The attention kernels' launch depends on shapes
+  only, so one graph serves every step of its bucket. Run eagerly, such a step waits for its
+  kernels to be queued from Python, several times as long as a decode step of as many
+  sequences (BENCHMARKS.md, 2026-12-06). ``TRTC_MIXED_GRAPHS=0`` (or
+  ``mixed_graphs=False``) runs them eagerly. Longer steps, and steps asking for more logits
+  rows than the graphs' sequences, run eagerly."""
 
 from __future__ import annotations
 
