@@ -88,7 +88,8 @@ def request_set(spec: dict, vocab: int, reserved: set[int], tokenizer=None) -> l
     text = spec.pop("text", None)
     if text is None:
         return make_requests(vocab=vocab, reserved=reserved, **spec)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # verbose=False: the whole text is longer than the model's context, which is no error here
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     return text_requests(list(ids), **spec)
 
 

@@ -23,5 +23,8 @@ def read_text(source: str) -> str:
         return default_text()
     path = Path(source)
     if not path.is_file():
-        raise ValueError(f"{source!r} is neither 'pydoc' (the built-in text) nor a file")
+        raise ValueError(
+            f"{source!r} is neither 'pydoc' (the built-in text) nor a file: give 'pydoc' or the "
+            "path of a UTF-8 text file"
+        )
     return path.read_text(encoding="utf-8")

@@ -374,24 +374,47 @@ class CudaExecutor(TorchExecutor):
         return graph, inputs, logits
 
 
-class StaticStepInputs:
-    """The static inputs of a captured step of ``batch`` sequences x ``tokens`` tokens each,
-    packed into two device buffers with pinned host twins: loading a step costs two
-    asynchronous host-to-device copies (not one copy per tensor plus kernels that fill the
-    padding). Padding writes no KV (slot -1) and sees ``tokens`` positions of its own."""
+class StepBuffers:
+    """A captured graph's step inputs packed into two device buffers (int64 and int32) with host
+    twins, pinned on a GPU: loading a step costs two asynchronous host-to-device copies (not one
+    copy per tensor plus kernels that fill the padding). Subclasses fill the host twins through
+    numpy views (torch ops would each dispatch, and this is on a step's critical path) between
+    `_host` and `_send`."""
+
+    def __init__(self, host64: torch.Tensor, host32: torch.Tensor, device: torch.device):
+        pinned = device.type == "cuda"
+        self.host64 = host64.pin_memory() if pinned else host64
+        self.host32 = host32.pin_memory() if pinned else host32
+        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
+        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
+        self.copied = torch.cuda.Event() if pinned else None
+
+    def _host(self) -> tuple[np.ndarray, np.ndarray]:
+        """The host twins, once the previous step's copies have read them."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host64_np, self.host32_np
+
+    def _send(self, width32: int | None = None) -> None:
+        """Queue the copies to the device (of the int32 buffer, its first ``width32``)."""
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32[:width32].copy_(self.host32[:width32], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+class StaticStepInputs(StepBuffers):
+    """The static inputs of a captured step of ``batch`` sequences x ``tokens`` tokens each.
+    Padding writes no KV (slot -1) and sees ``tokens`` positions of its own."""
 
     def __init__(self, batch: int, tokens: int, max_blocks: int, device: torch.device):
         self.batch, self.tokens, self.max_blocks = batch, tokens, max_blocks
         width = batch * tokens
-        self.host64 = torch.zeros(3, width, dtype=torch.int64).pin_memory()  # ids, pos, slots
-        self.host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32).pin_memory()
-        self.host64[2] = -1
-        self.host32[:batch] = tokens
-        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
-        # Filled through numpy views of the pinned buffers: torch ops would each dispatch, and
-        # this is on a step's critical path.
-        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
-        self.copied = torch.cuda.Event()
+        host64 = torch.zeros(3, width, dtype=torch.int64)  # ids, positions, slots
+        host32 = torch.zeros(batch * (1 + max_blocks), dtype=torch.int32)  # lengths, tables
+        host64[2] = -1
+        host32[:batch] = tokens
+        super().__init__(host64, host32, device)
         self.tensors = {
             "input_ids": self.dev64[0],
             "positions": self.dev64[1],
@@ -410,7 +433,9 @@ class MultiTokenInputs(StaticStepInputs):
 
     def __init__(self, batch: int, tokens: int, max_blocks: int, device: torch.device):
         super().__init__(batch, tokens, max_blocks, device)
-        self.host_rows = torch.zeros(batch * tokens, dtype=torch.int64).pin_memory()
+        self.host_rows = torch.zeros(batch * tokens, dtype=torch.int64)
+        if device.type == "cuda":
+            self.host_rows = self.host_rows.pin_memory()
         self.dev_rows = self.host_rows.to(device)
 
     def load(self, step: StepInputs) -> torch.Tensor:
@@ -421,8 +446,7 @@ class MultiTokenInputs(StaticStepInputs):
         seq_of = np.repeat(np.arange(n), counts)
         # Where each of the step's tokens goes: its sequence's slot of q, at its own offset.
         at = seq_of * q + (np.arange(step.num_tokens) - starts[seq_of])
-        self.copied.synchronize()  # the previous step's copies have read the host buffers
-        h64, h32 = self.host64_np, self.host32_np
+        h64, h32 = self._host()
         last_position = step.positions.numpy()[starts[1:] - 1]
         h64[0], h64[2] = 0, -1
         h64[1] = np.repeat(np.append(last_position, np.zeros(self.batch - n, np.int64)), q)
@@ -435,10 +459,8 @@ class MultiTokenInputs(StaticStepInputs):
         )
         rows = at[step.logits_indices.numpy()]
         self.host_rows.numpy()[: len(rows)] = rows
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
         self.dev_rows.copy_(self.host_rows, non_blocking=True)
-        self.copied.record()
+        self._send()
         return self.dev_rows[: len(rows)]
 
 
@@ -451,8 +473,7 @@ class DecodeInputs(StaticStepInputs):
 
     def load(self, step: StepInputs) -> None:
         n, width = step.block_tables.shape
-        self.copied.synchronize()  # the previous step's copies have read the host buffers
-        h64, h32 = self.host64_np, self.host32_np
+        h64, h32 = self._host()
         h64[0, :n], h64[1, :n] = step.input_ids.numpy(), step.positions.numpy()
         h64[2, :n] = step.slot_mapping.numpy()
         h64[:2, n:], h64[2, n:] = 0, -1
@@ -460,20 +481,17 @@ class DecodeInputs(StaticStepInputs):
         h32[self.batch :].reshape(self.batch, self.max_blocks)[:n, :width] = (
             step.block_tables.numpy()
         )
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        self.copied.record()
+        self._send()
 
 
-class MixedStepInputs:
+class MixedStepInputs(StepBuffers):
     """The static inputs of a captured prefill / mixed step of ``tokens`` tokens over ``seqs``
-    sequences, with ``seqs`` logits rows, in two device buffers with pinned host twins (as
-    `StaticStepInputs`). A step of ``n`` sequences and ``t`` tokens fills the first ``n``
-    sequences and ``t`` tokens; sequence ``n`` is padding that takes the remaining tokens (slot
-    -1: it writes no KV; it attends to its own positions through block 0, whatever that holds:
-    its rows are never read), and the sequences after it have no tokens (their attention tiles
-    return at once). ``tokens`` exceeds ``seqs``, so the attention launch is a prefill one
-    (`plan`), as the steps' own launches are."""
+    sequences, with ``seqs`` logits rows. A step of ``n`` sequences and ``t`` tokens fills the
+    first ``n`` sequences and ``t`` tokens; sequence ``n`` is padding that takes the remaining
+    tokens (slot -1: it writes no KV; it attends to its own positions through block 0, whatever
+    that holds: its rows are never read), and the sequences after it have no tokens (their
+    attention tiles return at once). ``tokens`` exceeds ``seqs``, so the attention launch is a
+    prefill one (`plan`), as the steps' own launches are."""
 
     def __init__(
         self, tokens: int, seqs: int, max_blocks: int, block_size: int, device: torch.device
@@ -484,16 +502,13 @@ class MixedStepInputs:
             raise ValueError(f"{tokens} tokens exceed a block table ({max_blocks} blocks)")
         self.num_tokens, self.num_seqs = tokens, seqs
         self.max_blocks, self.block_size = max_blocks, block_size
-        pinned = device.type == "cuda"
         # int64: ids, positions, slots (tokens each), logits rows (seqs); int32: context lengths
         # (seqs), query starts (seqs + 1), block tables (seqs x max_blocks).
-        self.host64 = torch.zeros(3 * tokens + seqs, dtype=torch.int64)
-        self.host32 = torch.zeros(2 * seqs + 1 + seqs * max_blocks, dtype=torch.int32)
-        if pinned:
-            self.host64, self.host32 = self.host64.pin_memory(), self.host32.pin_memory()
-        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
-        self.host64_np, self.host32_np = self.host64.numpy(), self.host32.numpy()
-        self.copied = torch.cuda.Event() if pinned else None
+        super().__init__(
+            torch.zeros(3 * tokens + seqs, dtype=torch.int64),
+            torch.zeros(2 * seqs + 1 + seqs * max_blocks, dtype=torch.int32),
+            device,
+        )
         t, s = tokens, seqs
         self.tensors = {
             "input_ids": self.dev64[:t],
@@ -517,9 +532,7 @@ class MixedStepInputs:
     def load(self, step: StepInputs | None) -> int:
         """Copy ``step`` in (None: no sequence, all padding); returns its logits rows."""
         t, s = self.num_tokens, self.num_seqs
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous step's copies have read the host buffers
-        h64, h32 = self.host64_np, self.host32_np
+        h64, h32 = self._host()
         ids, pos, slots, rows = h64[:t], h64[t : 2 * t], h64[2 * t : 3 * t], h64[3 * t :]
         lens, starts = h32[:s], h32[s : 2 * s + 1]
         tables = h32[2 * s + 1 :].reshape(s, self.max_blocks)
@@ -539,9 +552,5 @@ class MixedStepInputs:
         # The padding sequence reads its blocks (block 0); the rows after it are never read
         # (no tokens), so only the tables up to its row are copied.
         tables[n, : -(-pad // self.block_size)] = 0
-        self.dev64.copy_(self.host64, non_blocking=True)
-        width = 2 * s + 1 + (n + 1) * self.max_blocks
-        self.dev32[:width].copy_(self.host32[:width], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self._send(width32=2 * s + 1 + (n + 1) * self.max_blocks)
         return logits
