@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from trtc.runtime.distributed.group import free_port
+from trtc.runtime.distributed.rank_env import free_port
 
 STARTUP_TIMEOUT_S = 600  # a server that neither comes up nor exits ends the run
 FIRST = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtc.artifact import Manifest
-from trtc.runtime.core.sequence import SamplingParams
+from trtc.runtime.core.sampling_params import SamplingParams
 
 MODES = ("inflight", "static")
 
@@ -299,14 +299,39 @@ def run_server(
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
-    start = time.perf_counter()
+    cpu_metrics = {
+        "server": "process_cpu_seconds_total",
+        "engine": "engine_process_cpu_seconds_total",
+    }
+    cpu_before = {side: _server_metric(url, name) for side, name in cpu_metrics.items()}
+    start, start_cpu = time.perf_counter(), time.process_time()
     timings = asyncio.run(_run_server(url, model, requests, concurrency, rate, seed, api_key))
     wall = time.perf_counter() - start
-    rss = None
+    result = summarize("server", timings, wall, None)
+    # Cores each side kept busy: a load generator near one core bounds what it can measure,
+    # and a server process near one core is bound by its interpreter, not by its GPU.
+    result["client_cpu_cores"] = (time.process_time() - start_cpu) / wall
+    for side, name in cpu_metrics.items():
+        after = _server_metric(url, name)
+        if cpu_before[side] is not None and after is not None:
+            result[f"{side}_cpu_cores"] = (after - cpu_before[side]) / wall
+    # Resident memory of the server and of its engine process (when it has one).
+    rss = sum(
+        _server_metric(url, name) or 0
+        for name in ("process_resident_memory_bytes", "engine_process_resident_memory_bytes")
+    )
+    result["peak_rss_mb"] = rss / 2**20 if rss else None
+    return result
+
+
+def _server_metric(url: str, name: str) -> float | None:
+    """One unlabelled sample of the server's /metrics (None where the server has none)."""
+    import httpx
+
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("process_resident_memory_bytes "):
-            rss = int(float(line.split()[1]))
-    return summarize("server", timings, wall, rss)
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, device: str) -> dict:

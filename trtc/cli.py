@@ -265,37 +265,44 @@ def serve(
 ):
     """Serve an artifact over an OpenAI-compatible HTTP API: /v1/completions,
     /v1/chat/completions (SSE streaming with "stream": true), /v1/models, /health, /metrics.
-    SIGTERM or Ctrl-C stops accepting connections and lets running requests finish."""
+    SIGTERM or Ctrl-C stops accepting connections and lets running requests finish.
+    The engine steps in a process of its own, beside the HTTP server's
+    (TRTC_ENGINE_PROCESS=0: on a thread of the server's process)."""
     import logging
 
     from trtc import envs
-    from trtc.runtime.engine import LLMEngine
-    from trtc.runtime.serving.server import serve as run_server
+    from trtc.runtime.engine.engine_process import LOG_FORMAT, EngineProcess
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if _torchrun_worker(artifact, executor):
         return
+    config = _engine_config(
+        executor.value,
+        num_blocks,
+        kv_cache_memory,
+        max_num_seqs,
+        max_num_batched_tokens,
+        no_prefix_caching,
+        no_async_scheduling,
+        speculative,
+        speculative_tokens,
+        speculative_max_batch,
+    )
     try:
-        engine = LLMEngine(
-            artifact,
-            _engine_config(
-                executor.value,
-                num_blocks,
-                kv_cache_memory,
-                max_num_seqs,
-                max_num_batched_tokens,
-                no_prefix_caching,
-                no_async_scheduling,
-                speculative,
-                speculative_tokens,
-                speculative_max_batch,
-            ),
-        )
+        if envs.TRTC_ENGINE_PROCESS:
+            # The engine loads in its own process while this one imports the server.
+            engine = EngineProcess(artifact, config)
+            from trtc.runtime.serving.server import serve as run_server
+
+            engine.wait_ready()
+        else:
+            from trtc.runtime.engine import LLMEngine
+            from trtc.runtime.serving.server import serve as run_server
+
+            engine = LLMEngine(artifact, config)
+        run_server(engine, host, port, api_key or envs.TRTC_API_KEY, max_pending)
     except (TrtcError, ValueError) as e:
         _fail(e)
-    run_server(engine, host, port, api_key or envs.TRTC_API_KEY, max_pending)
 
 
 @app.command()
@@ -551,6 +558,19 @@ def bench(
         "peak RSS MB",
         *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results],
     )
+    if any(r.get("client_cpu_cores") is not None for r in results):
+        table.add_row(
+            "CPU cores client / server / engine",
+            *[
+                " / ".join(
+                    f"{r[key]:.2f}" if r.get(key) is not None else "-"
+                    for key in ("client_cpu_cores", "server_cpu_cores", "engine_cpu_cores")
+                )
+                if r.get("client_cpu_cores") is not None
+                else "-"
+                for r in results
+            ],
+        )
     if any(r.get("spec") for r in results):
         table.add_row(
             "tokens per verifying step",

@@ -45,6 +45,11 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "0: the cuda executor waits for each step's tokens before queuing the next (default: a "
         "decode step is queued before the previous one's tokens are read)",
     ),
+    "TRTC_ENGINE_PROCESS": (
+        _flag("TRTC_ENGINE_PROCESS", True),
+        "0: `trtc serve` steps the engine on a thread of the server's process instead of in a "
+        "process of its own (where the HTTP handlers do not share its interpreter lock)",
+    ),
     "TRTC_INT4_FRAGMENTS": (
         _flag("TRTC_INT4_FRAGMENTS", True),
         "0: the cuda executor keeps INT4 weights in the stored plugin layout instead of the "

@@ -109,6 +109,7 @@ class BlockManager:
         for block_id in cached_blocks:  # before taking fresh blocks, so none of them is evicted
             self._hold(block_id)
         seq.block_table = list(cached_blocks) + [self._take_free() for _ in range(num_fresh)]
+        seq.num_checked_blocks = len(cached_blocks)  # registered already: they were hits
         seq.num_computed_tokens = seq.num_cached_prefix_tokens = num_cached_tokens
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += num_cached_tokens
@@ -132,7 +133,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_checked_blocks = 0
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks ``seq`` holds beyond its first ``num_tokens`` tokens (the slots
@@ -145,17 +146,23 @@ class BlockManager:
     # -- prefix cache --------------------------------------------------------------------------
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of ``seq`` that are now full and computed (call after each step).
-        A block whose hash is already known (another sequence computed the same prefix at the
-        same time) stays private and is not registered twice."""
+        """Register the blocks of ``seq`` that are now full and computed (call after each step;
+        only the blocks filled since the last call are looked at: a step must not cost in
+        proportion to its sequences' lengths). A block whose hash is already known (another
+        sequence computed the same prefix at the same time) stays private and is not registered
+        twice."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for i, h in enumerate(self._block_hashes(seq, num_full)):
-            block = self.blocks[seq.block_table[i]]
+        if num_full <= seq.num_checked_blocks:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_checked_blocks, num_full):
+            block, h = self.blocks[seq.block_table[i]], hashes[i]
             if block.hash is None and h not in self.hash_to_block:
                 block.hash = h
                 self.hash_to_block[h] = block.block_id
+        seq.num_checked_blocks = num_full
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """The chain hashes of ``seq``'s first ``num_full_blocks`` blocks, extending the ones it

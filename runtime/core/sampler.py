@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trtc.runtime.core.sequence import SamplingParams
+from trtc.runtime.core.sampling_params import SamplingParams
 
 
 def make_generator(

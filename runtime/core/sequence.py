@@ -3,67 +3,17 @@ it."""
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 from trtc.contract import SequenceWork
+from trtc.runtime.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from trtc.runtime.speculative.proposer import Proposal
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None  # the caller seeds a per-request torch.Generator from it
-    stop: tuple[str, ...] = ()  # stop strings: matched by the engine, which detokenizes
-    stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
-    ignore_eos: bool = False
-    detokenize: bool = True  # False: token ids only (benchmarks), unless stop strings need text
-    speculative: bool = True  # may be verified with drafts when the engine speculates
-
-    def __post_init__(self):
-        # Lists (as JSON gives them) become tuples, so the params stay hashable and immutable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-
-    def validate(self) -> SamplingParams:
-        """Raise ValueError naming the first bad field, its value and what is allowed; else
-        return self."""
-
-        def bad(field: str, allowed: str):
-            raise ValueError(f"{field}={getattr(self, field)!r} is invalid: must be {allowed}")
-
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "an integer >= 1")
-        if not _is_real(self.temperature) or not (0 <= self.temperature < math.inf):
-            bad("temperature", "a finite number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (0 = off)")
-        if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
-            bad("top_p", "a number in (0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "an integer or None")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "a tuple of non-empty strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "a tuple of integers >= 0")
-        return self
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+__all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(Enum):
@@ -93,9 +43,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_prefix_tokens = 0  # computed tokens found in the prefix cache at admission
         self.block_table: list[int] = []
-        self.block_hashes: list[
-            bytes
-        ] = []  # chain hashes of its full blocks, filled by the block manager
+        # Chain hashes of its full blocks, and how many of its blocks the prefix cache has
+        # looked at since it got them (both kept by the block manager).
+        self.block_hashes: list[bytes] = []
+        self.num_checked_blocks = 0
         self.params = params if params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop", "length" or "abort"

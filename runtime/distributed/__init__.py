@@ -6,7 +6,7 @@ torchrun: `torchrun_worker`)."""
 
 from __future__ import annotations
 
-from trtc.runtime.distributed.group import RankEnv
+from trtc.runtime.distributed.rank_env import RankEnv
 
 __all__ = ["RankEnv", "torchrun_worker"]
 

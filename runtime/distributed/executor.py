@@ -30,13 +30,8 @@ from trtc.artifact import Artifact
 from trtc.contract import StepInputs
 from trtc.errors import ArtifactError
 from trtc.runtime.distributed.broadcast import send_step, send_stop
-from trtc.runtime.distributed.group import (
-    RankEnv,
-    check_devices,
-    destroy_groups,
-    free_port,
-    init_groups,
-)
+from trtc.runtime.distributed.group import check_devices, destroy_groups, init_groups
+from trtc.runtime.distributed.rank_env import RankEnv, free_port
 from trtc.runtime.distributed.worker import WorkerSpec, rank_executor, spawned_worker
 
 log = logging.getLogger("trtc.distributed")

@@ -13,8 +13,6 @@ its own workers picks a free port on the loopback interface.
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,45 +20,10 @@ import torch
 
 from trtc import envs
 from trtc.errors import ArtifactError
+from trtc.runtime.distributed.rank_env import RankEnv
 
 # The control group's timeout: an idle server waits for requests for as long as it runs.
 _WAIT_FOREVER = timedelta(days=365)
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """One rank's place in the group and the rendezvous address."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_environ(cls) -> RankEnv | None:
-        """The rank torchrun (or any launcher setting its variables) gave this process, or
-        None when the process was not launched that way."""
-        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-            return None
-        try:
-            return cls(
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-                master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                master_port=int(os.environ.get("MASTER_PORT", "29500")),
-            )
-        except ValueError as e:
-            raise ArtifactError(
-                f"RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT must be integers ({e})"
-            ) from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -25,7 +25,8 @@ import torch
 
 from trtc.artifact import Artifact
 from trtc.runtime.distributed.broadcast import receive_step
-from trtc.runtime.distributed.group import Groups, RankEnv, destroy_groups, device_for, init_groups
+from trtc.runtime.distributed.group import Groups, destroy_groups, device_for, init_groups
+from trtc.runtime.distributed.rank_env import RankEnv
 
 log = logging.getLogger("trtc.distributed")
 

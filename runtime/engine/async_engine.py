@@ -1,20 +1,25 @@
-"""The engine behind the server: `LLMEngine.step()` runs in one background thread; asyncio
-handlers submit requests and await their outputs. Requests are checked in the caller's thread
-(so errors come back at once) and handed to the engine thread through a command queue, so a
-handler never waits for a step to finish. An `EngineObserver` (the server's metrics) sees every
-step, output and refusal."""
+"""The engine behind the server: asyncio handlers submit requests and await their outputs,
+while the engine steps elsewhere: in a process of its own (`EngineProcess`, what `trtc serve`
+runs) or on a background thread of this one (`EngineThread`, given an `LLMEngine`). Requests
+are checked in the caller's thread (so errors come back at once) and handed to the engine as
+commands, so a handler never waits for a step to finish. An `EngineObserver` (the server's
+metrics) sees every step, output and refusal."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import itertools
 import logging
-import threading
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from trtc.runtime.core.sequence import SamplingParams
-from trtc.runtime.engine.llm_engine import LLMEngine
+from trtc.runtime.core.sampling_params import SamplingParams
+from trtc.runtime.engine.engine_loop import AbortRequest, AddRequest, EngineThread, StepReport
 from trtc.runtime.engine.outputs import EngineStats, RequestError, RequestOutput, StepSummary
+
+if TYPE_CHECKING:
+    from trtc.runtime.engine.engine_process import EngineProcess
+    from trtc.runtime.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("trtc.server")
 
@@ -23,10 +28,14 @@ class QueueFull(Exception):
     """More requests are in flight than the server takes; the client should retry later."""
 
 
+class EngineFailed(Exception):
+    """The engine failed (a step raised, or its process ended); it takes no more requests."""
+
+
 class EngineObserver:
-    """What the engine thread reports (from that thread): the engine's state after each step or
-    command, each step, each output, each refusal. Override what you record; the rest is
-    ignored (the server's metrics are one)."""
+    """What the engine reports (from the thread that receives its reports): the engine's
+    state after each step or command, each step, each output, each refusal. Override what
+    you record; the rest is ignored (the server's metrics are one)."""
 
     def observe_stats(self, stats: EngineStats) -> None:
         pass
@@ -42,75 +51,53 @@ class EngineObserver:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending: int, observer: EngineObserver | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine | EngineProcess,
+        max_pending: int,
+        observer: EngineObserver | None = None,
+    ):
         self.engine = engine
+        # An engine process is driven over its socket; an in-process engine from a thread.
+        self._driver = engine if hasattr(engine, "submit") else EngineThread(engine)
         self.max_pending = max_pending  # requests admitted or waiting, at most
         self.observer = observer or EngineObserver()
-        self._commands: collections.deque = collections.deque()
-        self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="trtc-engine", daemon=True)
-        self.error: BaseException | None = None
+        self._ids = itertools.count()
+        self.error: str | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._driver.start(self._on_report)
 
     def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        self._driver.stop()
 
     @property
     def num_pending(self) -> int:
         return len(self._streams)
 
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop:
-            while self._commands:
-                kind, *args = self._commands.popleft()
-                if kind == "add":
-                    request_id, prompt_ids, params = args
-                    try:
-                        engine.add_request(
-                            None, params, request_id=request_id, prompt_ids=prompt_ids
-                        )
-                    except RequestError as e:  # checked before; only a race could get here
-                        self._deliver(
-                            RequestOutput(
-                                request_id, prompt_ids, [], "", [], "", True, f"error: {e}"
-                            )
-                        )
-                else:
-                    out = engine.abort(args[0])
-                    if out is not None:
-                        self.observer.observe_output(out)
-                        self._deliver(out)
-                self.observer.observe_stats(engine.stats())
-            if not engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except BaseException as e:  # a broken executor must not hang every client
-                log.exception("engine step failed")
-                self.error = e
-                for request_id in list(self._streams):
-                    out = engine.abort(request_id)
-                    self._deliver(
-                        out or RequestOutput(request_id, [], [], "", [], "", True, "abort")
-                    )
-                continue
-            self.observer.observe_stats(engine.stats())
-            if engine.last_step is not None:
-                self.observer.observe_step(engine.last_step)
-            for out in outputs:
-                self.observer.observe_output(out)
-            self._deliver(*outputs)
+    def _on_report(self, report: StepReport) -> None:
+        """A report from the engine (on the thread that receives them): metrics, then the
+        outputs to their streams; a failure ends every open stream."""
+        observer = self.observer
+        if report.stats is not None:
+            observer.observe_stats(report.stats)
+        if report.step is not None:
+            observer.observe_step(report.step)
+        for out in report.outputs:
+            observer.observe_output(out)
+        outputs = report.outputs
+        if report.error is not None:
+            self.error = report.error
+            ended = {out.request_id for out in outputs}
+            outputs = outputs + [
+                RequestOutput(request_id, [], [], "", [], "", True, "abort")
+                for request_id in list(self._streams)
+                if request_id not in ended
+            ]
+        self._deliver(outputs)
 
-    def _deliver(self, *outs: RequestOutput) -> None:
+    def _deliver(self, outs: list[RequestOutput]) -> None:
         """Hand outputs to their streams: one wake-up of each event loop for a step's outputs,
         not one per output (each wakes the loop through a pipe, and a busy server steps
         thousands of outputs a second)."""
@@ -127,14 +114,9 @@ class AsyncEngine:
                 pass
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_ids, params)
-        bm = self.engine.block_manager
-        need = bm.blocks_for(len(prompt_ids) + params.max_tokens)
-        if need > bm.num_blocks:
-            raise RequestError(
-                f"prompt + max_tokens need {need} KV blocks but the server's pool "
-                f"has {bm.num_blocks}; lower max_tokens or shorten the prompt"
-            )
+        limits = self.engine.limits
+        limits.check(prompt_ids, params)
+        limits.check_fits_pool(prompt_ids, params)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -149,11 +131,13 @@ class AsyncEngine:
             raise QueueFull(
                 f"the server is at capacity ({self.max_pending} requests in flight); retry later"
             )
-        request_id = request_id or self.engine.new_request_id()
+        request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._commands.append(("add", request_id, prompt_ids, params))
-        self._wake.set()
+        if self.error is not None:  # after the stream is listed: a failure now ends it too
+            self._streams.pop(request_id)
+            raise EngineFailed(f"the engine failed: {self.error}")
+        self._driver.submit(AddRequest(request_id, prompt_ids, params))
         finished = False
         try:
             while True:
@@ -169,8 +153,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.append(("abort", request_id))
-                self._wake.set()
+                self._driver.submit(AbortRequest(request_id))
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trtc.artifact import Artifact
-from trtc.runtime.core.sequence import SamplingParams
+from trtc.runtime.core.sampling_params import SamplingParams
 from trtc.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from trtc.runtime.engine.outputs import RequestOutput
 

@@ -7,7 +7,6 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from trtc.runtime.core.sampler import Sampler, make_generator
 from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
 from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
 from trtc.runtime.core.startup import StartupPhases, seconds_since_process_start
+from trtc.runtime.engine.config import EngineConfig
 from trtc.runtime.engine.output_processor import OutputProcessor
 from trtc.runtime.engine.outputs import (
     EngineCounters,
@@ -28,8 +28,9 @@ from trtc.runtime.engine.outputs import (
     RequestOutput,
     StepSummary,
 )
+from trtc.runtime.engine.request_limits import RequestLimits
 from trtc.runtime.engine.token_readback import LaunchedStep, TokenReadback
-from trtc.runtime.engine.tokenizer import load_tokenizer
+from trtc.runtime.engine.tokenizer import chat_prompt_ids, load_tokenizer, prompt_ids_of
 from trtc.runtime.executors import create_executor, default_num_blocks
 
 log = logging.getLogger("trtc.engine")
@@ -39,27 +40,6 @@ _first_engine = True
 
 # Tokens that end a chat turn in the families trtc serves, beside the tokenizer's own EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
-
-
-@dataclass
-class EngineConfig:
-    executor: str = "auto"  # auto | torch | cuda | tensorrt (see runtime/executors)
-    device: str = "cpu"
-    num_blocks: int | None = None  # KV blocks in the pool (default: from kv_cache_memory)
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool when num_blocks is not given
-    max_num_seqs: int | None = None  # default: the artifact's limits
-    max_num_batched_tokens: int | None = None
-    long_prefill_threshold: int = 0
-    enable_prefix_caching: bool = True
-    # Queue step n+1 on the device before reading step n's tokens (decode steps; see
-    # `LLMEngine.step`). None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
-    async_scheduling: bool | None = None
-    # Speculative decoding (runtime/speculative): "ngram" or "draft:DIR"; None = off.
-    speculative: str | None = None
-    speculative_tokens: int = 4  # drafts verified per sequence and step, at most
-    # Speculation stops while more sequences than this run: the step is then bound by compute
-    # more than by weight reads, and verifying drafts costs more than the tokens it saves.
-    speculative_max_batch: int = 8
 
 
 class LLMEngine:
@@ -108,6 +88,12 @@ class LLMEngine:
             )
         self.block_manager = BlockManager(
             self.executor.num_blocks, self.executor.block_size, config.enable_prefix_caching
+        )
+        self.limits = RequestLimits(
+            self.manifest.model.vocab_size,
+            self.max_seq_len,
+            self.block_manager.num_blocks,
+            self.block_manager.block_size,
         )
         eos = {self.manifest.tokenizer.eos_token_id, *self._generation_eos()} - {None}
         self.scheduler = Scheduler(
@@ -174,33 +160,13 @@ class LLMEngine:
         return f"req-{next(self._ids)}"
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return list(prompt)
+        return prompt_ids_of(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.manifest.model.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_seq_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_seq_len} tokens, but "
-                f"{total} were requested ({len(prompt_ids)} in the prompt, {params.max_tokens} "
-                f"for the completion); shorten the prompt or lower max_tokens"
-            )
+        self.limits.check(prompt_ids, params)
 
     def add_request(
         self,
@@ -230,6 +196,9 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)]
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

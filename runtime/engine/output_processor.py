@@ -7,27 +7,46 @@ import time
 from dataclasses import dataclass
 
 from trtc.runtime.core.sequence import Sequence
+
+try:
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the window method only
+    Tokenizer = DecodeStream = None
 from trtc.runtime.engine.outputs import RequestOutput
 
 
 class IncrementalDetokenizer:
-    """Each step decodes only the last few tokens of a sequence (as vLLM does), not its whole
-    output again. A token's text can depend on its neighbours (byte-level BPE pieces of one UTF-8
-    character, SentencePiece's leading spaces), so the new text is the decode of a short window
-    minus the decode of the same window without the newest tokens."""
+    """A sequence's text, extended as its tokens arrive, without decoding its whole output
+    again. A token's text can depend on its neighbours (byte-level BPE pieces of one UTF-8
+    character, SentencePiece's leading spaces). With a Rust-backed tokenizer, the `tokenizers`
+    library's `DecodeStream` keeps that state (one call a token, about a tenth of the cost of
+    the window below: the server's engine detokenizes every token it streams). Otherwise, as
+    vLLM's v0 did: the new text is the decode of a short window minus the decode of the same
+    window without the newest tokens."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.text = ""
         self.prefix_offset = 0  # window start
         self.read_offset = 0  # tokens whose text is already in self.text
+        self._backend = _stream_backend(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def update(self, ids: list[int]) -> str:
-        """Feed the whole output so far; returns the text it adds (may be empty while an
-        incomplete UTF-8 character waits for its remaining bytes)."""
+    def update(self, ids: list[int], start: int = 0) -> str:
+        """Feed the whole output so far (``ids[start:]``: a sequence's tokens after its
+        prompt, read in place); returns the text it adds (may be empty while an incomplete
+        UTF-8 character waits for its remaining bytes)."""
+        if self._stream is not None:
+            new = ids[start + self.read_offset :]  # copies the new tokens only
+            self.read_offset += len(new)
+            delta = "".join(p for t in new if (p := self._stream.step(self._backend, t)))
+            self.text += delta
+            return delta
+        ids = ids[start:] if start else ids
         before = self._decode(ids[self.prefix_offset : self.read_offset])
         after = self._decode(ids[self.prefix_offset :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -36,6 +55,17 @@ class IncrementalDetokenizer:
         self.text += delta
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return delta
+
+
+def _stream_backend(tokenizer):
+    """The Rust tokenizer to stream-decode with, or None where the streamed text could differ
+    from ``tokenizer.decode`` (no Rust backend, or spaces cleaned up after decoding)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if DecodeStream is None or not isinstance(backend, Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
 
 
 @dataclass
@@ -47,6 +77,7 @@ class _RequestState:
     sent_text: int = 0
     first_token_time: float | None = None
     stopped: bool = False
+    prompt_ids: list[int] | None = None  # copied once, not at every output
 
 
 class OutputProcessor:
@@ -72,7 +103,7 @@ class OutputProcessor:
         if not (seq.params.detokenize or seq.params.stop):
             return False
         state = self._states[seq.request_id]
-        delta = state.text.update(seq.output_token_ids)
+        delta = state.text.update(seq.token_ids, seq.num_prompt_tokens)
         if not delta:
             return False
         text = state.text.text
@@ -99,12 +130,15 @@ class OutputProcessor:
             state.text.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         text = state.text.text
         delta = text[state.sent_text :]
-        new_ids = seq.output_token_ids[state.sent_tokens :]
-        state.sent_text, state.sent_tokens = len(text), seq.num_output_tokens
+        output_ids = seq.output_token_ids  # a copy
+        new_ids = output_ids[state.sent_tokens :]
+        state.sent_text, state.sent_tokens = len(text), len(output_ids)
+        if state.prompt_ids is None:
+            state.prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
         out = RequestOutput(
             seq.request_id,
-            seq.token_ids[: seq.num_prompt_tokens],
-            list(seq.output_token_ids),
+            state.prompt_ids,
+            output_ids,
             text,
             new_ids,
             delta,

@@ -31,3 +31,17 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+def prompt_ids_of(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A completion prompt's ids: text is encoded as it stands (no BOS or other specials
+    added), ids are taken as given."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return list(prompt)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's ids through the model's chat template, ready for the reply."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

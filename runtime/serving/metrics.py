@@ -23,9 +23,11 @@ class EngineMetrics(EngineObserver):
     and counters copied from `EngineStats` after each step, per-request latencies and token
     counts from each `RequestOutput`."""
 
-    def __init__(self):
+    def __init__(self, engine_pid: int | None = None):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        if engine_pid is not None:  # the engine's own process: engine_process_cpu_seconds_total...
+            ProcessCollector(namespace="engine", pid=lambda: engine_pid, registry=r)
         self.queue_length = Gauge(
             "trtc_queue_length", "Requests waiting to be scheduled", registry=r
         )

@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from trtc.runtime.core.sequence import SamplingParams
+from trtc.runtime.core.sampling_params import SamplingParams
 from trtc.runtime.engine.outputs import RequestOutput
 
 # --- errors --------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from trtc.runtime.core.sequence import SamplingParams
-from trtc.runtime.engine import RequestError, RequestOutput
-from trtc.runtime.engine.async_engine import AsyncEngine, QueueFull
+from trtc.runtime.core.sampling_params import SamplingParams
+from trtc.runtime.engine.async_engine import AsyncEngine, EngineFailed, QueueFull
+from trtc.runtime.engine.outputs import RequestError, RequestOutput
 from trtc.runtime.serving.protocol import OpenAIError, ResponseFormat, SamplingFields
 
 OutputStream = AsyncGenerator[RequestOutput, None]
@@ -42,6 +42,8 @@ async def start(
         return stream, await stream.__anext__()
     except QueueFull as e:
         raise OpenAIError(429, str(e), type="rate_limit_error") from None
+    except EngineFailed as e:
+        raise OpenAIError(500, str(e), type="server_error") from None
     except RequestError as e:
         raise OpenAIError(400, str(e)) from None
 

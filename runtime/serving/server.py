@@ -15,15 +15,15 @@ import logging
 import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from trtc.runtime.core.startup import seconds_since_process_start
-from trtc.runtime.engine import LLMEngine
 from trtc.runtime.engine.async_engine import AsyncEngine
+from trtc.runtime.engine.engine_process import EngineProcessError
 from trtc.runtime.serving.metrics import EngineMetrics
 from trtc.runtime.serving.protocol import (
     ChatCompletionResponse,
@@ -43,15 +43,20 @@ from trtc.runtime.serving.protocol import (
 )
 from trtc.runtime.serving.runner import respond
 
+if TYPE_CHECKING:
+    from trtc.runtime.engine.engine_process import EngineProcess
+    from trtc.runtime.engine.llm_engine import LLMEngine
+
 log = logging.getLogger("trtc.server")
 PUBLIC_PATHS = {"/health", "/metrics"}  # answered without an API key
 
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, its background loop, the metrics and the API key."""
+    """What the routes share: the engine (in its own process, or in this one), the async
+    engine that drives it, the metrics and the API key."""
 
-    engine: LLMEngine
+    engine: LLMEngine | EngineProcess
     async_engine: AsyncEngine
     metrics: EngineMetrics
     api_key: str | None
@@ -195,10 +200,13 @@ async def _lifespan(app: FastAPI):
     state.engine.close()
 
 
-def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int = 256) -> FastAPI:
-    """The app over `engine`: at most `max_pending` requests admitted or waiting (429 beyond);
-    with `api_key`, every route but /health and /metrics asks for it."""
-    engine_metrics = EngineMetrics()
+def create_app(
+    engine: LLMEngine | EngineProcess, api_key: str | None = None, max_pending: int = 256
+) -> FastAPI:
+    """The app over `engine` (an `EngineProcess` that is ready, or an `LLMEngine` stepped on a
+    thread here): at most `max_pending` requests admitted or waiting (429 beyond); with
+    `api_key`, every route but /health and /metrics asks for it."""
+    engine_metrics = EngineMetrics(engine_pid=getattr(engine, "pid", None))
     app = FastAPI(title="trtc", lifespan=_lifespan)
     app.state.trtc = ServerState(
         engine, AsyncEngine(engine, max_pending, engine_metrics), engine_metrics, api_key
@@ -212,18 +220,24 @@ def create_app(engine: LLMEngine, api_key: str | None = None, max_pending: int =
 
 
 def serve(
-    engine: LLMEngine,
+    engine: LLMEngine | EngineProcess,
     host: str,
     port: int,
     api_key: str | None,
     max_pending: int,
     drain_timeout: float = 60.0,
 ) -> None:
-    """Serve until SIGTERM/SIGINT; in-flight requests get `drain_timeout` seconds to finish."""
+    """Serve until SIGTERM/SIGINT; in-flight requests get `drain_timeout` seconds to finish.
+    Raise `EngineProcessError` if the engine's process died (the server stops then)."""
     import uvicorn
 
     app = create_app(engine, api_key, max_pending)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_timeout
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    if hasattr(engine, "on_death"):  # an engine process that dies stops the server
+        engine.on_death = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if getattr(engine, "died", None):
+        raise EngineProcessError(f"{engine.died}; the server stopped")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from trtc.runtime.core.sampler import Sampler
-from trtc.runtime.core.sequence import SamplingParams
+from trtc.runtime.core.sampling_params import SamplingParams
 from trtc.runtime.speculative.proposer import Proposal
 
 

@@ -164,6 +164,11 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"server did not come up:\n{self.log()}")
 
+    def children(self) -> list[int]:
+        """The server's child processes (its engine process), from /proc."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()

@@ -44,6 +44,10 @@ def test_server_and_in_process_count_the_same_tokens(tiny_artifacts, tmp_path):
     # The same request set: the server's card names the special tokens left out of prompts.
     assert local["prompt_tokens"] == http["prompt_tokens"]
     assert http["requests"] == 12 and http["tpot_s"]["p50"] > 0 and http["itl_s"]["p50"] > 0
+    # Both sides' CPU is reported, read from this process and from the server's /metrics.
+    assert http["client_cpu_cores"] > 0 and http["server_cpu_cores"] > 0
+    assert http["engine_cpu_cores"] > 0  # the engine's own process, beside the server's
+    assert http["peak_rss_mb"] > 50
 
 
 def test_transformers_continuous_batching_baseline_runs_the_same_set(tiny_artifacts):

@@ -175,7 +175,8 @@ def test_bench_command_reports_both_modes(tiny_artifacts, tmp_path):
     assert modes["inflight"]["output_tokens"] == modes["static"]["output_tokens"]
 
 
-def test_incremental_detokenizer_matches_full_decode():
+@pytest.mark.parametrize("method", ["stream", "window"])
+def test_incremental_detokenizer_matches_full_decode(method):
     from trtc.compiler.tiny import byte_tokenizer
     from trtc.runtime.engine.output_processor import IncrementalDetokenizer
 
@@ -183,6 +184,12 @@ def test_incremental_detokenizer_matches_full_decode():
     ids = tok("naïve café — 東京 🙂 done", add_special_tokens=False)["input_ids"]
     assert len(ids) > 20  # multi-byte characters span several tokens
     inc = IncrementalDetokenizer(tok)
-    pieces = [inc.update(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert inc._stream is not None  # the Rust stream decoder is what serves
+    if method == "window":
+        inc._stream = None
+    # One token a step, then several at once (speculative decoding's accepted drafts).
+    steps = [*range(1, 12), 15, 16, 22, *range(23, len(ids) + 1)]
+    prompt = [7, 8, 9]  # read in place after the prompt, as the engine feeds a sequence
+    pieces = [inc.update(prompt + ids[:n], len(prompt)) for n in steps]
     assert "".join(pieces) == inc.text == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)

@@ -4,6 +4,7 @@ SIGTERM draining, metrics. The SmolLM2 golden checks are in test_server_golden.p
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import httpx
@@ -354,6 +355,7 @@ def test_sigterm_drains_in_flight_requests(tiny_artifacts, tmp_path):
     )
     it = iter(stream)
     next(it)
+    (engine_pid,) = srv.children()
     srv.proc.send_signal(signal.SIGTERM)
     tokens, reason = 1, None
     for chunk in it:
@@ -365,6 +367,29 @@ def test_sigterm_drains_in_flight_requests(tiny_artifacts, tmp_path):
     srv.stop()
     log = srv.log()
     assert "Shutting down" in log and "Finished server process" in log
+    assert not os.path.exists(f"/proc/{engine_pid}")  # the engine process ended with it
+
+
+def test_a_dead_engine_process_ends_the_streams_and_stops_the_server(tiny_artifacts, tmp_path):
+    """The engine's process killed mid-stream: the stream ends at once, then the server exits
+    with status 1 and says why (its supervisor restarts the replica); nothing hangs."""
+    srv = ServerProcess(tiny_artifacts[MODEL], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=400, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, timeout=60,
+        )  # fmt: skip
+        it = iter(stream)
+        next(it)
+        (engine_pid,) = srv.children()
+        os.kill(engine_pid, signal.SIGKILL)
+        reasons = [chunk.choices[0].finish_reason for chunk in it if chunk.choices]
+        assert reasons[-1] == "abort" and len(reasons) < 400
+        assert srv.proc.wait(timeout=30) == 1
+        assert "the engine process ended (killed by SIGKILL)" in srv.log()
+    finally:
+        srv.stop()
 
 
 def test_startup_phases_are_logged_and_exported(server):

@@ -1,0 +1,130 @@
+"""The loop that drives an `LLMEngine` for a server: requests and aborts come in as commands,
+each step's outputs go out as one `StepReport`. The same loop runs on a thread beside the
+server (`EngineThread`) or in a process of its own (`engine_process`), where the steps no longer
+share an interpreter lock with the HTTP handlers."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trtc.runtime.core.sampling_params import SamplingParams
+from trtc.runtime.engine.outputs import EngineStats, RequestError, RequestOutput, StepSummary
+
+if TYPE_CHECKING:
+    from trtc.runtime.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("trtc.server")
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+class Stop:
+    """End the loop (the engine is closed by whoever owns it)."""
+
+
+Command = AddRequest | AbortRequest | Stop
+
+
+@dataclass
+class StepReport:
+    """What the engine did since the last report: a step (``step``) or commands (None), the
+    outputs it produced, its state afterwards, and ``error`` when a step failed (every request
+    in the engine was aborted then)."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    step: StepSummary | None = None
+    error: str | None = None
+
+
+def run_engine_loop(
+    engine: LLMEngine,
+    next_commands: Callable[[bool], Iterable[Command]],
+    emit: Callable[[StepReport], None],
+) -> None:
+    """Apply commands and step while requests are unfinished, until a `Stop`.
+    ``next_commands(idle)`` returns the commands waiting, and waits for one when ``idle``."""
+    while True:
+        outputs, commands = [], 0
+        for command in next_commands(not engine.has_unfinished()):
+            commands += 1
+            if isinstance(command, Stop):
+                return
+            if isinstance(command, AddRequest):
+                try:
+                    engine.add_request(None, command.params, command.request_id, command.prompt_ids)
+                except RequestError as e:  # checked before; only a race could get here
+                    outputs.append(
+                        RequestOutput(
+                            command.request_id, command.prompt_ids, [], "", [], "", True,
+                            f"error: {e}",
+                        )
+                    )  # fmt: skip
+            elif (out := engine.abort(command.request_id)) is not None:
+                outputs.append(out)
+        if commands:
+            emit(StepReport(outputs, engine.stats()))
+        if not engine.has_unfinished():
+            continue
+        try:
+            outputs = engine.step()
+        except BaseException as e:  # a broken executor must not hang every client
+            log.exception("engine step failed")
+            aborted = [engine.abort(rid) for rid in engine.unfinished_request_ids()]
+            error = f"{type(e).__name__}: {e}"
+            emit(StepReport([o for o in aborted if o is not None], engine.stats(), error=error))
+            continue
+        emit(StepReport(outputs, engine.stats(), engine.last_step))
+
+
+class EngineThread:
+    """The loop on a thread of this process: what `AsyncEngine` drives an `LLMEngine` with
+    when the engine is not in a process of its own (tests, the offline paths)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: collections.deque[Command] = collections.deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_report: Callable[[StepReport], None]) -> None:
+        self._thread = threading.Thread(
+            target=run_engine_loop,
+            args=(self.engine, self._next_commands, on_report),
+            name="trtc-engine",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self.submit(Stop())
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _next_commands(self, idle: bool) -> list[Command]:
+        if idle and not self._commands:
+            self._wake.wait(timeout=0.5)
+        self._wake.clear()
+        commands = []
+        while self._commands:
+            commands.append(self._commands.popleft())
+        return commands

@@ -1,0 +1,111 @@
+"""The engine in a process of its own: the same tokens as in this one, a front end without
+torch, a start-up failure that says why, and a process that dies ending every stream instead
+of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from trtc.runtime.core.sampling_params import SamplingParams
+from trtc.runtime.engine import LLM, EngineConfig
+from trtc.runtime.engine.async_engine import AsyncEngine, EngineFailed
+from trtc.runtime.engine.engine_process import EngineProcess, EngineProcessError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47]]
+CONFIG = EngineConfig(executor="torch", num_blocks=64)
+
+
+async def run_all(async_engine: AsyncEngine, params: SamplingParams) -> list[list]:
+    async def one(prompt):
+        return [out async for out in async_engine.generate(prompt, params)]
+
+    return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+def test_the_engine_process_streams_what_the_engine_gives_in_process(tiny_artifacts):
+    art = tiny_artifacts["tiny-llama"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = LLM(art, executor="torch", num_blocks=64).generate(PROMPTS, params)
+    engine = EngineProcess(art, CONFIG)
+    engine.wait_ready()
+    async_engine = AsyncEngine(engine, 8)
+    async_engine.start()
+    try:
+        streams = asyncio.run(run_all(async_engine, params))
+    finally:
+        async_engine.stop()
+    assert engine._proc.returncode == 0  # stopped in order, not killed
+    for outs, w in zip(streams, want):
+        last = outs[-1]
+        assert last.finished and last.finish_reason == "length"
+        assert last.token_ids == w.token_ids and last.text == w.text
+        assert [t for o in outs for t in o.new_token_ids] == w.token_ids  # deltas add up
+        assert last.prompt_token_ids == w.prompt_token_ids
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.counters.generation_tokens == 3 * 24
+    assert engine.limits.kv_blocks == 64 and "weights" in engine.startup.seconds
+
+
+def test_the_server_side_imports_no_torch(tiny_artifacts):
+    """The front end (HTTP server, tokenizer, engine handle) leaves torch to the engine's
+    process: its memory and import time are paid once, there."""
+    code = (
+        "import sys\n"
+        "import trtc.runtime.serving.server\n"
+        "from trtc.runtime.engine import EngineConfig\n"
+        "from trtc.runtime.engine.engine_process import EngineProcess\n"
+        "e = EngineProcess(sys.argv[1], EngineConfig(executor='torch', num_blocks=16))\n"
+        "e.wait_ready()\n"
+        "e.stop()\n"
+        "print(sorted(m for m in ('torch', 'onnx', 'triton') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_artifacts["tiny-llama"])],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_an_engine_that_cannot_start_says_why(tiny_artifacts):
+    engine = EngineProcess(tiny_artifacts["tiny-llama"], EngineConfig(executor="nonsense"))
+    with pytest.raises(EngineProcessError, match="nonsense"):
+        engine.wait_ready()
+    assert engine._proc.returncode == 1
+
+
+def test_a_dead_engine_process_ends_every_stream(tiny_artifacts):
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    engine = EngineProcess(tiny_artifacts["tiny-llama"], CONFIG)
+    engine.wait_ready()
+    async_engine = AsyncEngine(engine, 8)
+    async_engine.start()
+
+    async def kill_after_first_tokens():
+        async def one(prompt):
+            outs = []
+            async for out in async_engine.generate(prompt, params):
+                outs.append(out)
+                if len(outs) == 2 and prompt is PROMPTS[0]:
+                    os.kill(engine.pid, signal.SIGKILL)
+            return outs
+
+        streams = await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROMPTS)), 60)
+        with pytest.raises(EngineFailed, match="SIGKILL"):
+            await anext(async_engine.generate(PROMPTS[0], params))
+        return streams
+
+    try:
+        streams = asyncio.run(kill_after_first_tokens())
+    finally:
+        async_engine.stop()
+    for outs in streams:
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+        assert sum(len(o.new_token_ids) for o in outs) < 400  # cut short
+    assert "killed by SIGKILL" in async_engine.error
