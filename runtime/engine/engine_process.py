@@ -17,6 +17,7 @@ server's /health turns 503."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -249,12 +250,17 @@ def main() -> None:
     except BaseException as e:
         if not isinstance(e, (TrtcError, ValueError)):
             log.exception("the engine could not start")
-        conn.send(("failed", str(e) or type(e).__name__))
+        with contextlib.suppress(OSError):  # (the server may be gone already)
+            conn.send(("failed", str(e) or type(e).__name__))
         sys.exit(1)
     info = EngineInfo(
         engine.limits, engine.stats(), dict(engine.startup.seconds), dict(engine.startup.notes)
     )
-    conn.send(("ready", info))
+    try:
+        conn.send(("ready", info))
+    except OSError:  # the server went away while the engine was loading
+        engine.close()
+        os._exit(0)
 
     def next_commands(idle: bool) -> list[Command]:
         commands: list[Command] = []
