@@ -41,8 +41,8 @@ class SamplingParams:
             bad("top_k", "an integer >= 0 (0 = off)")
         if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
             bad("top_p", "a number in (0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "an integer or None")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            bad("seed", "an integer in [-2**63, 2**64) or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a tuple of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -68,14 +68,16 @@ def run_engine_loop(
             if isinstance(command, AddRequest):
                 try:
                     engine.add_request(None, command.params, command.request_id, command.prompt_ids)
-                except RequestError as e:  # checked before; only a race could get here
+                except Exception as e:  # that request's failure, never the engine's
+                    if not isinstance(e, RequestError):
+                        log.exception("request %s could not be added", command.request_id)
                     outputs.append(
                         RequestOutput(
                             command.request_id, command.prompt_ids, [], "", [], "", True,
                             f"error: {e}",
                         )
                     )  # fmt: skip
-            elif (out := engine.abort(command.request_id)) is not None:
+            elif (out := _abort(engine, command.request_id)) is not None:
                 outputs.append(out)
         if commands:
             emit(StepReport(outputs, engine.stats()))
@@ -85,11 +87,21 @@ def run_engine_loop(
             outputs = engine.step()
         except BaseException as e:  # a broken executor must not hang every client
             log.exception("engine step failed")
-            aborted = [engine.abort(rid) for rid in engine.unfinished_request_ids()]
+            aborted = [_abort(engine, rid) for rid in engine.unfinished_request_ids()]
             error = f"{type(e).__name__}: {e}"
             emit(StepReport([o for o in aborted if o is not None], engine.stats(), error=error))
             continue
         emit(StepReport(outputs, engine.stats(), engine.last_step))
+
+
+def _abort(engine: LLMEngine, request_id: str) -> RequestOutput | None:
+    """The request aborted; if aborting it fails, an abort output all the same (its stream
+    must end) and the failure in the log."""
+    try:
+        return engine.abort(request_id)
+    except Exception:
+        log.exception("request %s could not be aborted cleanly", request_id)
+        return RequestOutput(request_id, [], [], "", [], "", True, "abort")
 
 
 class EngineThread:

@@ -180,11 +180,12 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         request_id = request_id or self.new_request_id()
         seq = Sequence(request_id, prompt_ids, params)
+        generator = make_generator(params, self.device)  # before the scheduler holds it
         try:
             self.scheduler.add(seq)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        self.generators[request_id] = make_generator(params, self.device)
+        self.generators[request_id] = generator
         self.output_processor.add(request_id)
         return request_id
 

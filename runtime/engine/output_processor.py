@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -42,8 +43,16 @@ class IncrementalDetokenizer:
         UTF-8 character waits for its remaining bytes)."""
         if self._stream is not None:
             new = ids[start + self.read_offset :]  # copies the new tokens only
+            try:
+                delta = "".join(p for t in new if (p := self._stream.step(self._backend, t)))
+            except Exception:  # a sequence the stream cannot decode: windows from here on
+                self._stream = None
+                self.prefix_offset = self.read_offset = len(ids) - start
+                full = self._decode(ids[start:])
+                delta = full[len(self.text) :] if full.startswith(self.text) else ""
+                self.text += delta
+                return delta
             self.read_offset += len(new)
-            delta = "".join(p for t in new if (p := self._stream.step(self._backend, t)))
             self.text += delta
             return delta
         ids = ids[start:] if start else ids
@@ -59,11 +68,16 @@ class IncrementalDetokenizer:
 
 def _stream_backend(tokenizer):
     """The Rust tokenizer to stream-decode with, or None where the streamed text could differ
-    from ``tokenizer.decode`` (no Rust backend, or spaces cleaned up after decoding)."""
+    from ``tokenizer.decode``: no Rust backend, spaces cleaned up after decoding, or a
+    byte-fallback decoder (SentencePiece-style ``<0x..>`` tokens: the stream refuses some byte
+    sequences a model can sample, and text it has sent can decode differently once the bytes
+    after it arrive)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if DecodeStream is None or not isinstance(backend, Tokenizer):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    if '"ByteFallback"' in json.dumps(json.loads(backend.to_str()).get("decoder")):
         return None
     return backend
 

@@ -138,6 +138,7 @@ def test_mismatched_batch_is_an_error():
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("seed", "x"),
+        ("seed", 2**64),  # beyond torch's generator seeds: refused here, not in the engine
         ("stop", ("",)),
         ("stop_token_ids", (-1,)),
     ],

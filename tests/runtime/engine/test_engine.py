@@ -193,3 +193,46 @@ def test_incremental_detokenizer_matches_full_decode(method):
     pieces = [inc.update(prompt + ids[:n], len(prompt)) for n in steps]
     assert "".join(pieces) == inc.text == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_byte_fallback_tokenizers_stream_through_windows():
+    """SentencePiece-style ``<0x..>`` byte tokens: the Rust stream decoder refuses some byte
+    sequences a model can sample (a newline, then an unfinished 4-byte character, then a
+    word) and can change text it has sent; such tokenizers decode by windows, and a stream
+    that fails anyway falls back to them, the text still whole."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.decoders import DecodeStream
+    from transformers import PreTrainedTokenizerFast
+
+    from trtc.runtime.engine.output_processor import IncrementalDetokenizer
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["\u2581Hello", "\u2581world"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    rust = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    rust.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    tok = PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<unk>")
+    bad = [vocab[p] for p in ("\u2581Hello", "<0x0A>", "<0xF0>", "\u2581world")]
+    smile = ["<0xF0>", "<0x9F>", "<0x99>", "<0x82>"]  # one 4-byte character
+    good = [vocab[p] for p in ("\u2581Hello", "<0x0A>", *smile, "\u2581world")]
+    with pytest.raises(Exception, match="Invalid prefix"):  # what the stream does with them
+        stream = DecodeStream(skip_special_tokens=True)
+        [stream.step(rust, t) for t in bad]
+
+    def streamed(forced: bool, ids: list[int]) -> IncrementalDetokenizer:
+        inc = IncrementalDetokenizer(tok)
+        if forced:
+            inc._backend, inc._stream = rust, DecodeStream(skip_special_tokens=True)
+        pieces_out = [inc.update(ids[:n]) for n in range(1, len(ids) + 1)]
+        assert inc.text == "".join(pieces_out)  # what was sent is the text
+        return inc
+
+    assert IncrementalDetokenizer(tok)._stream is None  # windows for this tokenizer
+    assert streamed(False, good).text == tok.decode(good) == "Hello\n\U0001f642 world"
+    assert streamed(True, good).text == tok.decode(good)  # the stream, where it copes
+    assert streamed(False, bad).text.startswith("Hello\n")  # no error, no text lost
+    fell_back = streamed(True, bad)
+    assert fell_back._stream is None and fell_back.text.startswith("Hello")
