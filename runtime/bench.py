@@ -299,39 +299,36 @@ def run_server(
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
-    cpu_metrics = {
-        "server": "process_cpu_seconds_total",
-        "engine": "engine_process_cpu_seconds_total",
-    }
-    cpu_before = {side: _server_metric(url, name) for side, name in cpu_metrics.items()}
+    before = _server_metrics(url)
     start, start_cpu = time.perf_counter(), time.process_time()
     timings = asyncio.run(_run_server(url, model, requests, concurrency, rate, seed, api_key))
     wall = time.perf_counter() - start
+    after = _server_metrics(url)
     result = summarize("server", timings, wall, None)
     # Cores each side kept busy: a load generator near one core bounds what it can measure,
     # and a server process near one core is bound by its interpreter, not by its GPU.
     result["client_cpu_cores"] = (time.process_time() - start_cpu) / wall
-    for side, name in cpu_metrics.items():
-        after = _server_metric(url, name)
-        if cpu_before[side] is not None and after is not None:
-            result[f"{side}_cpu_cores"] = (after - cpu_before[side]) / wall
+    for side, prefix in (("server", ""), ("engine", "engine_")):
+        name = f"{prefix}process_cpu_seconds_total"
+        if name in before and name in after:
+            result[f"{side}_cpu_cores"] = (after[name] - before[name]) / wall
     # Resident memory of the server and of its engine process (when it has one).
-    rss = sum(
-        _server_metric(url, name) or 0
-        for name in ("process_resident_memory_bytes", "engine_process_resident_memory_bytes")
-    )
+    rss = after.get("process_resident_memory_bytes", 0)
+    rss += after.get("engine_process_resident_memory_bytes", 0)
     result["peak_rss_mb"] = rss / 2**20 if rss else None
     return result
 
 
-def _server_metric(url: str, name: str) -> float | None:
-    """One unlabelled sample of the server's /metrics (None where the server has none)."""
+def _server_metrics(url: str) -> dict[str, float]:
+    """The unlabelled samples of the server's /metrics."""
     import httpx
 
+    samples = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        if line and not line.startswith("#") and "{" not in name:
+            samples[name] = float(value)
+    return samples
 
 
 def run_hf_static(hf_model, requests: list[BenchRequest], batch_size: int, device: str) -> dict:

@@ -558,18 +558,11 @@ def bench(
         "peak RSS MB",
         *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results],
     )
-    if any(r.get("client_cpu_cores") is not None for r in results):
+    sides = ("client_cpu_cores", "server_cpu_cores", "engine_cpu_cores")
+    if any(sides[0] in r for r in results):  # runs through a server
         table.add_row(
             "CPU cores client / server / engine",
-            *[
-                " / ".join(
-                    f"{r[key]:.2f}" if r.get(key) is not None else "-"
-                    for key in ("client_cpu_cores", "server_cpu_cores", "engine_cpu_cores")
-                )
-                if r.get("client_cpu_cores") is not None
-                else "-"
-                for r in results
-            ],
+            *[" / ".join(f"{r[k]:.2f}" if k in r else "-" for k in sides) for r in results],
         )
     if any(r.get("spec") for r in results):
         table.add_row(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import sys
 import threading
 from multiprocessing.connection import wait
@@ -29,6 +28,7 @@ import torch
 from trtc.artifact import Artifact
 from trtc.contract import StepInputs
 from trtc.errors import ArtifactError
+from trtc.runtime.core.process_exit import exit_reason
 from trtc.runtime.distributed.broadcast import send_step, send_stop
 from trtc.runtime.distributed.group import check_devices, destroy_groups, init_groups
 from trtc.runtime.distributed.rank_env import RankEnv, free_port
@@ -38,17 +38,6 @@ log = logging.getLogger("trtc.distributed")
 
 EXIT_WORKER_DIED = 1
 _STOP_TIMEOUT = 10.0  # seconds a worker gets to leave its loop before it is killed
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 class TensorParallelExecutor:
@@ -126,7 +115,7 @@ class TensorParallelExecutor:
         rank = self.workers.index(dead) + 1
         dead.join(timeout=1)
         self._fail(
-            f"worker rank {rank} (pid {dead.pid}) died ({_exit_reason(dead.exitcode)}); the "
+            f"worker rank {rank} (pid {dead.pid}) died ({exit_reason(dead.exitcode)}); the "
             "other ranks cannot go on without its slice of the model"
         )
 

@@ -80,8 +80,7 @@ class AsyncEngine:
         """A report from the engine (on the thread that receives them): metrics, then the
         outputs to their streams; a failure ends every open stream."""
         observer = self.observer
-        if report.stats is not None:
-            observer.observe_stats(report.stats)
+        observer.observe_stats(report.stats)
         if report.step is not None:
             observer.observe_step(report.step)
         for out in report.outputs:
@@ -91,7 +90,7 @@ class AsyncEngine:
             self.error = report.error
             ended = {out.request_id for out in outputs}
             outputs = outputs + [
-                RequestOutput(request_id, [], [], "", [], "", True, "abort")
+                RequestOutput.aborted(request_id)
                 for request_id in list(self._streams)
                 if request_id not in ended
             ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,15 +54,14 @@ class StepReport:
 
 def run_engine_loop(
     engine: LLMEngine,
-    next_commands: Callable[[bool], Iterable[Command]],
+    next_commands: Callable[[bool], list[Command]],
     emit: Callable[[StepReport], None],
 ) -> None:
     """Apply commands and step while requests are unfinished, until a `Stop`.
     ``next_commands(idle)`` returns the commands waiting, and waits for one when ``idle``."""
     while True:
-        outputs, commands = [], 0
-        for command in next_commands(not engine.has_unfinished()):
-            commands += 1
+        outputs, commands = [], next_commands(not engine.has_unfinished())
+        for command in commands:
             if isinstance(command, Stop):
                 return
             if isinstance(command, AddRequest):
@@ -101,7 +100,7 @@ def _abort(engine: LLMEngine, request_id: str) -> RequestOutput | None:
         return engine.abort(request_id)
     except Exception:
         log.exception("request %s could not be aborted cleanly", request_id)
-        return RequestOutput(request_id, [], [], "", [], "", True, "abort")
+        return RequestOutput.aborted(request_id)
 
 
 class EngineThread:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from trtc.artifact import Artifact
 from trtc.errors import TrtcError
+from trtc.runtime.core.process_exit import exit_reason
 from trtc.runtime.core.startup import StartupPhases, seconds_since_process_start
 from trtc.runtime.engine.config import EngineConfig
 from trtc.runtime.engine.engine_loop import AddRequest, Command, StepReport, Stop, run_engine_loop
@@ -57,8 +58,7 @@ class EngineInfo:
 
     limits: RequestLimits
     stats: EngineStats
-    startup_seconds: dict[str, float]
-    startup_notes: dict[str, str]
+    startup: StartupPhases
 
 
 # An output on the wire: (request_id, new_token_ids, delta_text, finished, finish_reason,
@@ -74,17 +74,6 @@ def _to_wire(out: RequestOutput) -> WireOutput:
         out.num_cached_tokens, out.arrival_time, out.first_token_time, out.finish_time,
         (out.token_ids, out.text) if out.finished else None,
     )  # fmt: skip
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class EngineProcess:
@@ -135,7 +124,7 @@ class EngineProcess:
         except (EOFError, OSError):
             code = self._proc.wait()
             raise EngineProcessError(
-                f"the engine process ended while starting ({_exit_reason(code)}); its log "
+                f"the engine process ended while starting ({exit_reason(code)}); its log "
                 "above says why"
             ) from None
         if kind == "failed":
@@ -143,9 +132,7 @@ class EngineProcess:
             raise EngineProcessError(payload)
         info: EngineInfo = payload
         self.limits, self._stats = info.limits, info.stats
-        for name, seconds in info.startup_seconds.items():
-            self.startup.seconds[name] = self.startup.seconds.get(name, 0.0) + seconds
-        self.startup.notes.update(info.startup_notes)
+        self.startup.update(info.startup)
 
     # --- what the server reads ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -212,7 +199,7 @@ class EngineProcess:
                 code = self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 code = None
-            self.died = f"the engine process ended ({_exit_reason(code)}); its log says why"
+            self.died = f"the engine process ended ({exit_reason(code)}); its log says why"
             log.error("%s", self.died)
             on_report(StepReport([], self._stats, error=self.died))  # ends every stream
             if self.on_death is not None:
@@ -261,9 +248,7 @@ def main() -> None:
         with contextlib.suppress(OSError):  # (the server may be gone already)
             conn.send(("failed", str(e) or type(e).__name__))
         sys.exit(1)
-    info = EngineInfo(
-        engine.limits, engine.stats(), dict(engine.startup.seconds), dict(engine.startup.notes)
-    )
+    info = EngineInfo(engine.limits, engine.stats(), engine.startup)
     # What start-up left (torch, the graph, kernels: about 200k objects even for a tiny model)
     # lives as long as the process: out of the collector's sight, a full collection in the step
     # loop costs microseconds instead of tens of milliseconds (vLLM's engine core does the same).

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -24,15 +23,16 @@ class IncrementalDetokenizer:
     library's `DecodeStream` keeps that state (one call a token, about a tenth of the cost of
     the window below: the server's engine detokenizes every token it streams). Otherwise, as
     vLLM's v0 did: the new text is the decode of a short window minus the decode of the same
-    window without the newest tokens."""
+    window without the newest tokens. ``backend``: `stream_backend(tokenizer)`, decided once
+    per tokenizer by the caller."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, backend: Tokenizer | None):
         self.tokenizer = tokenizer
         self.text = ""
         self.prefix_offset = 0  # window start
         self.read_offset = 0  # tokens whose text is already in self.text
-        self._backend = _stream_backend(tokenizer)
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend else None
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True) if backend is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _stream_backend(tokenizer):
+def stream_backend(tokenizer) -> Tokenizer | None:
     """The Rust tokenizer to stream-decode with, or None where the streamed text could differ
     from ``tokenizer.decode``: no Rust backend, spaces cleaned up after decoding, or a
     byte-fallback decoder (SentencePiece-style ``<0x..>`` tokens: the stream refuses some byte
@@ -77,8 +77,8 @@ def _stream_backend(tokenizer):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
-    if '"ByteFallback"' in json.dumps(json.loads(backend.to_str()).get("decoder")):
-        return None
+    if backend.decoder is not None and b'"ByteFallback"' in backend.decoder.__getstate__():
+        return None  # (the decoder's own JSON, not the whole tokenizer's)
     return backend
 
 
@@ -97,10 +97,13 @@ class _RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._backend = stream_backend(tokenizer)
         self._states: dict[str, _RequestState] = {}
 
     def add(self, request_id: str) -> None:
-        self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
+        self._states[request_id] = _RequestState(
+            IncrementalDetokenizer(self.tokenizer, self._backend)
+        )
 
     def first_token(self, seq: Sequence, now: float) -> bool:
         """Record the time of ``seq``'s first token; whether this was it."""

@@ -25,6 +25,12 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    @classmethod
+    def aborted(cls, request_id: str) -> RequestOutput:
+        """The end of a request whose stream must end without the engine's own last output
+        (a failed engine, an abort that failed)."""
+        return cls(request_id, [], [], "", [], "", True, "abort")
+
     def then(self, later: RequestOutput) -> RequestOutput:
         """``later`` as if this output had not been read: its new tokens and text follow this
         one's (a stream that fell behind sends the outputs waiting for it as one)."""

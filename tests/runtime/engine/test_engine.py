@@ -178,12 +178,12 @@ def test_bench_command_reports_both_modes(tiny_artifacts, tmp_path):
 @pytest.mark.parametrize("method", ["stream", "window"])
 def test_incremental_detokenizer_matches_full_decode(method):
     from trtc.compiler.tiny import byte_tokenizer
-    from trtc.runtime.engine.output_processor import IncrementalDetokenizer
+    from trtc.runtime.engine.output_processor import IncrementalDetokenizer, stream_backend
 
     tok = byte_tokenizer()
     ids = tok("naïve café — 東京 🙂 done", add_special_tokens=False)["input_ids"]
     assert len(ids) > 20  # multi-byte characters span several tokens
-    inc = IncrementalDetokenizer(tok)
+    inc = IncrementalDetokenizer(tok, stream_backend(tok))
     assert inc._stream is not None  # the Rust stream decoder is what serves
     if method == "window":
         inc._stream = None
@@ -204,7 +204,7 @@ def test_byte_fallback_tokenizers_stream_through_windows():
     from tokenizers.decoders import DecodeStream
     from transformers import PreTrainedTokenizerFast
 
-    from trtc.runtime.engine.output_processor import IncrementalDetokenizer
+    from trtc.runtime.engine.output_processor import IncrementalDetokenizer, stream_backend
 
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     pieces += ["\u2581Hello", "\u2581world"]
@@ -223,14 +223,12 @@ def test_byte_fallback_tokenizers_stream_through_windows():
         [stream.step(rust, t) for t in bad]
 
     def streamed(forced: bool, ids: list[int]) -> IncrementalDetokenizer:
-        inc = IncrementalDetokenizer(tok)
-        if forced:
-            inc._backend, inc._stream = rust, DecodeStream(skip_special_tokens=True)
+        inc = IncrementalDetokenizer(tok, rust if forced else stream_backend(tok))
         pieces_out = [inc.update(ids[:n]) for n in range(1, len(ids) + 1)]
         assert inc.text == "".join(pieces_out)  # what was sent is the text
         return inc
 
-    assert IncrementalDetokenizer(tok)._stream is None  # windows for this tokenizer
+    assert stream_backend(tok) is None  # windows for this tokenizer
     assert streamed(False, good).text == tok.decode(good) == "Hello\n\U0001f642 world"
     assert streamed(True, good).text == tok.decode(good)  # the stream, where it copes
     assert streamed(False, bad).text.startswith("Hello\n")  # no error, no text lost
