@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import random
 import resource
 import statistics
@@ -215,20 +216,27 @@ def run_engine(
     return result
 
 
-async def _run_server(
-    url: str,
-    model: str,
-    requests: list[BenchRequest],
-    concurrency: int,
-    rate: float | None,
-    seed: int,
-    api_key: str | None,
-) -> list[RequestTiming]:
+@dataclass
+class LoadShare:
+    """What one load generator replays against the server at ``url``: its requests, at most
+    ``concurrency`` in flight (or arriving on a Poisson clock at ``rate``/s, seeded)."""
+
+    url: str
+    model: str
+    requests: list[BenchRequest]
+    concurrency: int
+    rate: float | None
+    seed: int
+    api_key: str | None
+
+
+async def _run_server(share: LoadShare) -> list[RequestTiming]:
     import httpx
 
-    rng = random.Random(seed)
-    sem = asyncio.Semaphore(concurrency)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url, model, rate = share.url, share.model, share.rate
+    rng = random.Random(share.seed)
+    sem = asyncio.Semaphore(share.concurrency)
+    headers = {"Authorization": f"Bearer {share.api_key}"} if share.api_key else {}
 
     async def one(client, req: BenchRequest, delay: float) -> RequestTiming:
         await asyncio.sleep(delay)
@@ -278,12 +286,18 @@ async def _run_server(
             return t
 
     delays, clock = [], 0.0
-    for _ in requests:
+    for _ in share.requests:
         delays.append(clock)
         if rate:
             clock += rng.expovariate(rate)
     async with httpx.AsyncClient(timeout=None) as client:
-        return await asyncio.gather(*(one(client, r, d) for r, d in zip(requests, delays)))
+        return await asyncio.gather(*(one(client, r, d) for r, d in zip(share.requests, delays)))
+
+
+def default_load_processes(concurrency: int) -> int:
+    """Processes the load generator spreads its streams over by default: one per 16 streams,
+    at most 4, and at most half the CPUs (the server and its engine need theirs)."""
+    return max(1, min(4, concurrency // 16, (os.cpu_count() or 2) // 2))
 
 
 def run_server(
@@ -293,21 +307,46 @@ def run_server(
     rate: float | None = None,
     seed: int = 0,
     api_key: str | None = None,
+    processes: int = 1,
 ) -> dict:
+    """Replay ``requests`` against the server at ``url``. With ``processes`` > 1 the load
+    generator is that many processes, each with every ``processes``-th request, its share of
+    the concurrency (and of the rate), started together: one Python process parsing 64
+    streams of SSE chunks at ~20k tokens/s is itself near a core, and a client that falls
+    behind delays the next request of each stream, which shows as the server's throughput."""
     import httpx
 
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+    processes = max(1, min(processes, concurrency, len(requests)))
     before = _server_metrics(url)
-    start, start_cpu = time.perf_counter(), time.process_time()
-    timings = asyncio.run(_run_server(url, model, requests, concurrency, rate, seed, api_key))
-    wall = time.perf_counter() - start
+    if processes == 1:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        share = LoadShare(url, model, requests, concurrency, rate, seed, api_key)
+        timings = asyncio.run(_run_server(share))
+        wall = time.perf_counter() - start
+        client_cpu = time.process_time() - start_cpu
+    else:  # every processes-th request, its part of the streams and of the rate
+        shares = [
+            LoadShare(
+                url,
+                model,
+                requests[k::processes],
+                concurrency // processes + (k < concurrency % processes),
+                rate / processes if rate else None,
+                seed + k,
+                api_key,
+            )
+            for k in range(processes)
+        ]
+        timings, wall, client_cpu = _run_server_processes(shares)
     after = _server_metrics(url)
     result = summarize("server", timings, wall, None)
     # Cores each side kept busy: a load generator near one core bounds what it can measure,
     # and a server process near one core is bound by its interpreter, not by its GPU.
-    result["client_cpu_cores"] = (time.process_time() - start_cpu) / wall
+    result["client_cpu_cores"] = client_cpu / wall
+    result["client_processes"] = processes
     for side, prefix in (("server", ""), ("engine", "engine_")):
         name = f"{prefix}process_cpu_seconds_total"
         if name in before and name in after:
@@ -317,6 +356,76 @@ def run_server(
     rss += after.get("engine_process_resident_memory_bytes", 0)
     result["peak_rss_mb"] = rss / 2**20 if rss else None
     return result
+
+
+def _run_server_processes(shares: list[LoadShare]) -> tuple[list[RequestTiming], float, float]:
+    """`_run_server` in a process per share, started together: the timings of all, the wall
+    time from their common start to the last one's end, and the CPU seconds they used."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # (a forked child would inherit this process's threads)
+    go, messages = ctx.Event(), ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_server_share,
+            args=(share, go, messages),
+            name=f"trtc-bench-client-{k}",
+            daemon=True,
+        )
+        for k, share in enumerate(shares)
+    ]
+    for w in workers:
+        w.start()
+    try:
+        for _ in workers:  # each has imported what it needs
+            _next_message(messages, workers)
+        go.set()
+        start = time.perf_counter()
+        timings, cpu, end = [], 0.0, start
+        for _ in workers:
+            got, share_cpu, share_end = _next_message(messages, workers)
+            if isinstance(got, str):  # its error
+                raise RuntimeError(f"a load generator process failed: {got}")
+            timings += got
+            cpu += share_cpu
+            end = max(end, share_end)
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+            w.join(timeout=10)
+    return timings, end - start, cpu
+
+
+def _next_message(messages, workers):
+    """The next message of the load generator processes; an error if one of them died."""
+    import queue
+
+    while True:
+        try:
+            return messages.get(timeout=1.0)
+        except queue.Empty:
+            dead = next((w for w in workers if w.exitcode not in (None, 0)), None)
+            if dead is not None:
+                raise RuntimeError(
+                    f"load generator process {dead.name} died (exit status {dead.exitcode})"
+                ) from None
+
+
+def _server_share(share: LoadShare, go, messages) -> None:
+    """One load generator process (`_run_server_processes`): says it is ready, waits for the
+    others, runs its share, and puts (timings, CPU seconds, end time), or the error as text."""
+    import httpx  # noqa: F401  (imported before the start, not in the timed part)
+
+    messages.put("ready")
+    go.wait()
+    start_cpu = time.process_time()
+    try:
+        timings = asyncio.run(_run_server(share))
+    except Exception as e:  # (sent as text: not every exception pickles)
+        messages.put((f"{type(e).__name__}: {e}", 0.0, time.perf_counter()))
+        return
+    messages.put((timings, time.process_time() - start_cpu, time.perf_counter()))
 
 
 def _server_metrics(url: str) -> dict[str, float]:
@@ -513,9 +622,11 @@ def bench_url(
     rate: float | None,
     api_key: str | None = None,
     tokenizer=None,
+    processes: int = 1,
 ) -> list[dict]:
     """Replay the request set against a running `trtc serve` (a real-text set is cut with
-    ``tokenizer``, the served model's, as in-process)."""
+    ``tokenizer``, the served model's, as in-process) from ``processes`` load generator
+    processes (`run_server`)."""
     import httpx
 
     if "text" in requests_spec and tokenizer is None:
@@ -531,7 +642,7 @@ def bench_url(
         set(model.get("special_token_ids", ())),  # as in-process: the same request set
         tokenizer,
     )
-    return [run_server(url, requests, concurrency, rate, requests_spec["seed"], api_key)]
+    return [run_server(url, requests, concurrency, rate, requests_spec["seed"], api_key, processes)]
 
 
 def comparisons(results: list[dict]) -> list[str]:

@@ -1,3 +1,4 @@
 from trtc.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned process imports it
+    main()

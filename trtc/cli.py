@@ -288,6 +288,7 @@ def serve(
         speculative_tokens,
         speculative_max_batch,
     )
+    config.defer_graphs = True  # ready sooner: the engine loop captures them after
     try:
         if envs.TRTC_ENGINE_PROCESS:
             # The engine loads in its own process while this one imports the server.
@@ -451,6 +452,14 @@ def bench(
     api_key: str | None = typer.Option(
         None, "--api-key", help="API key of the server at --url (default: $TRTC_API_KEY)"
     ),
+    load_processes: int = typer.Option(
+        0,
+        "--load-processes",
+        help="with --url: processes the load generator spreads its streams over (0: one per 16 "
+        "streams, at most 4 and half the CPUs); one process parsing every stream's chunks can "
+        "be the bottleneck it measures",
+        min=0,
+    ),
     no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
     speculative: str | None = SPECULATIVE,
     speculative_tokens: int = SPECULATIVE_TOKENS,
@@ -493,8 +502,9 @@ def bench(
                 from trtc.runtime.engine.tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(Artifact.open(artifact).tokenizer_dir)
+            processes = load_processes or B.default_load_processes(concurrency)
             results = B.bench_url(
-                url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY, tokenizer
+                url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY, tokenizer, processes
             )
         else:
             hf_loader = None
@@ -564,6 +574,7 @@ def bench(
             "CPU cores client / server / engine",
             *[" / ".join(f"{r[k]:.2f}" if k in r else "-" for k in sides) for r in results],
         )
+        table.add_row("client processes", *[str(r.get("client_processes", "-")) for r in results])
     if any(r.get("spec") for r in results):
         table.add_row(
             "tokens per verifying step",

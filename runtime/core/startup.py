@@ -5,8 +5,10 @@ where it went."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -24,6 +26,38 @@ def seconds_since_process_start() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def modules_without_bytecode(names: tuple[str, ...]) -> list[str]:
+    """Those of the imported modules ``names`` whose compiled bytecode is not cached: every
+    process that imports them compiles their sources first (for torch, seconds of each start),
+    as in an environment installed with ``pip --no-compile`` and run with
+    ``PYTHONDONTWRITEBYTECODE`` set, or read-only."""
+    missing = []
+    for name in names:
+        source = getattr(sys.modules.get(name), "__file__", None) or ""
+        if source.endswith(".py"):
+            try:
+                cached = importlib.util.cache_from_source(source)
+            except NotImplementedError:  # no bytecode caching in this interpreter
+                continue
+            if not os.path.exists(cached):
+                missing.append(name)
+    return missing
+
+
+def warn_if_uncompiled(names: tuple[str, ...]) -> None:
+    """Say so, with the fix, when `modules_without_bytecode` finds any of ``names``."""
+    missing = modules_without_bytecode(names)
+    if missing:
+        where = os.path.dirname(os.path.dirname(sys.modules[missing[0]].__file__))
+        log.warning(
+            "%s: no compiled bytecode in this Python environment, so each start compiles "
+            "their sources (seconds); compile them once (`python -m compileall -q %s`) or, "
+            "where it is read-only, give Python a writable cache (PYTHONPYCACHEPREFIX=DIR)",
+            ", ".join(missing),
+            where,
+        )
 
 
 class StartupPhases:

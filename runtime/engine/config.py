@@ -25,3 +25,11 @@ class EngineConfig:
     # Speculation stops while more sequences than this run: the step is then bound by compute
     # more than by weight reads, and verifying drafts costs more than the tokens it saves.
     speculative_max_batch: int = 8
+    # Capture the CUDA graphs (but two: see `CudaExecutor`) after the engine is ready,
+    # one at a time between steps or while it waits (`LLMEngine.finish_start_up`, called by the
+    # serving loop), not before: a replica is ready sooner, and a step that comes before its
+    # graph runs in a larger one or eagerly. `trtc serve` sets it.
+    defer_graphs: bool = False
+    # Prompts come as ids (a server's engine process: the server encodes them): load only what
+    # decoding needs (`load_detokenizer`), not transformers. The engine process sets it.
+    decode_only_tokenizer: bool = False

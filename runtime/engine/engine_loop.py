@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from trtc.runtime.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("trtc.server")
+
+# While requests run, a piece of the start-up work left for after ready (a CUDA graph's warm-up
+# or capture: a few milliseconds) goes between two steps at most this often.
+BUSY_START_UP_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,14 @@ def run_engine_loop(
     emit: Callable[[StepReport], None],
 ) -> None:
     """Apply commands and step while requests are unfinished, until a `Stop`.
-    ``next_commands(idle)`` returns the commands waiting, and waits for one when ``idle``."""
+    ``next_commands(idle)`` returns the commands waiting, and waits for one when ``idle``.
+    The start-up work the engine left for after ready (`LLMEngine.finish_start_up`) goes a
+    piece at a time: while idle, piece after piece between looks for commands; while requests
+    run, one piece a `BUSY_START_UP_INTERVAL_S` between steps (under load from the start it
+    must not wait for an idle moment that may not come, nor hold the first requests up)."""
+    start_up_left, last_piece = True, time.monotonic()
     while True:
-        outputs, commands = [], next_commands(not engine.has_unfinished())
+        outputs, commands = [], next_commands(not engine.has_unfinished() and not start_up_left)
         for command in commands:
             if isinstance(command, Stop):
                 return
@@ -80,6 +90,15 @@ def run_engine_loop(
                 outputs.append(out)
         if commands:
             emit(StepReport(outputs, engine.stats()))
+        if start_up_left and (
+            not engine.has_unfinished() or time.monotonic() - last_piece >= BUSY_START_UP_INTERVAL_S
+        ):
+            try:
+                start_up_left = engine.finish_start_up()
+            except Exception:  # the engine still serves, without what was left
+                log.exception("deferred start-up work failed; steps it would speed run eagerly")
+                start_up_left = False
+            last_piece = time.monotonic()
         if not engine.has_unfinished():
             continue
         try:

@@ -9,7 +9,10 @@ go down, one `StepReport` a step comes up, its outputs sent as deltas (new token
 that this side accumulates, so a message does not grow with the sequences' lengths.
 
 This side reads the artifact's manifest and loads its own tokenizer (the front end encodes
-prompts and applies chat templates); it never imports torch. The child ignores SIGINT and
+prompts and applies chat templates); it never imports torch. It also turns tokens into text
+(as vLLM's front end does): the engine process, the one at a core under load, sends the ids
+of a request and nothing else, unless the request has stop strings (then the engine, which
+must stop it at one, detokenizes it and sends the text). The child ignores SIGINT and
 SIGTERM (a Ctrl-C, or a service manager's stop, reaches the whole process group; the server
 drains and stops it in order) and exits when this side goes away. A child that dies is
 reported as a failed step (every open request ends), then the server stops with exit status 1:
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -39,9 +43,15 @@ from trtc.runtime.core.process_exit import exit_reason
 from trtc.runtime.core.startup import StartupPhases, seconds_since_process_start
 from trtc.runtime.engine.config import EngineConfig
 from trtc.runtime.engine.engine_loop import AddRequest, Command, StepReport, Stop, run_engine_loop
+from trtc.runtime.engine.output_processor import IncrementalDetokenizer, stream_backend
 from trtc.runtime.engine.outputs import EngineStats, RequestOutput
 from trtc.runtime.engine.request_limits import RequestLimits
-from trtc.runtime.engine.tokenizer import chat_prompt_ids, load_tokenizer, prompt_ids_of
+from trtc.runtime.engine.tokenizer import (
+    chat_prompt_ids,
+    load_detokenizer,
+    load_tokenizer,
+    prompt_ids_of,
+)
 
 log = logging.getLogger("trtc.server")
 STOP_TIMEOUT_S = 30  # a stopping engine that takes longer is killed
@@ -100,8 +110,12 @@ class EngineProcess:
         self._conn = Connection(ours.detach())
         self._conn.send((str(self.artifact.path), config))
         self._send_lock = threading.Lock()
-        # Per open request: [prompt ids, token ids so far, text so far].
+        # Per open request: [prompt ids, token ids so far, text so far, its detokenizer here
+        # (None when the engine sends its text)].
         self._requests: dict[str, list] = {}
+        # The reader thread's own decode-only tokenizer: the routes encode with `tokenizer` on
+        # the event loop's thread, and a Rust tokenizer is not shared across threads here.
+        self._detokenizer = self._stream_backend = None
         self._stopping = False
         self._reader: threading.Thread | None = None
         self.tokenizer = None
@@ -119,6 +133,8 @@ class EngineProcess:
         """Load the tokenizer, then wait for the engine; raise `EngineProcessError` if it
         failed or ended before it was up."""
         self.tokenizer = load_tokenizer(self.artifact.tokenizer_dir)
+        self._detokenizer = load_detokenizer(self.artifact.tokenizer_dir)
+        self._stream_backend = stream_backend(self._detokenizer)
         try:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -154,7 +170,12 @@ class EngineProcess:
 
     def submit(self, command: Command) -> None:
         if isinstance(command, AddRequest):
-            self._requests[command.request_id] = [command.prompt_ids, [], ""]
+            detokenizer = None
+            if command.params.detokenize and not command.params.stop:
+                detokenizer = IncrementalDetokenizer(self._detokenizer, self._stream_backend)
+                params = dataclasses.replace(command.params, detokenize=False)
+                command = dataclasses.replace(command, params=params)
+            self._requests[command.request_id] = [command.prompt_ids, [], "", detokenizer]
         try:
             with self._send_lock:
                 self._conn.send(command)
@@ -206,15 +227,27 @@ class EngineProcess:
                 self.on_death()
 
     def _rebuild(self, wire: WireOutput) -> RequestOutput:
-        """The full output from its delta: prompt, tokens and text so far are kept here."""
+        """The full output from its delta: prompt, tokens and text so far are kept here, and
+        the text made here when the engine sends ids only (as the engine's `OutputProcessor`
+        makes it: streamed, then the whole output decoded at the end)."""
         request_id, new, delta, finished, reason, cached, arrival, first, finish, final = wire
-        state = self._requests.get(request_id) or [[], [], ""]
-        prompt, tokens = state[0], state[1]
+        state = self._requests.get(request_id) or [[], [], "", None]
+        prompt, tokens, detokenizer = state[0], state[1], state[3]
         if final is not None:
             self._requests.pop(request_id, None)
             token_ids, text = final
+            if detokenizer is not None:
+                if reason != "abort":  # bytes still waiting for a character's rest: as they are
+                    text = self._detokenizer.decode(token_ids, skip_special_tokens=True)
+                else:
+                    tokens.extend(new)
+                    detokenizer.update(tokens)
+                    text = detokenizer.text
+                delta = text[len(state[2]) :]
         else:
             tokens.extend(new)
+            if detokenizer is not None:
+                delta = detokenizer.update(tokens)
             state[2] = text = state[2] + delta
             token_ids = list(tokens)
         return RequestOutput(
@@ -238,6 +271,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     artifact, config = conn.recv()
+    config = dataclasses.replace(config, decode_only_tokenizer=True)  # the server encodes
     try:
         from trtc.runtime.engine.llm_engine import LLMEngine
 

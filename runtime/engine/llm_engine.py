@@ -18,7 +18,11 @@ from trtc.runtime.core.block_manager import BlockManager
 from trtc.runtime.core.sampler import Sampler, make_generator
 from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
 from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
-from trtc.runtime.core.startup import StartupPhases, seconds_since_process_start
+from trtc.runtime.core.startup import (
+    StartupPhases,
+    seconds_since_process_start,
+    warn_if_uncompiled,
+)
 from trtc.runtime.engine.config import EngineConfig
 from trtc.runtime.engine.output_processor import OutputProcessor
 from trtc.runtime.engine.outputs import (
@@ -30,7 +34,12 @@ from trtc.runtime.engine.outputs import (
 )
 from trtc.runtime.engine.request_limits import RequestLimits
 from trtc.runtime.engine.token_readback import LaunchedStep, TokenReadback
-from trtc.runtime.engine.tokenizer import chat_prompt_ids, load_tokenizer, prompt_ids_of
+from trtc.runtime.engine.tokenizer import (
+    chat_prompt_ids,
+    load_detokenizer,
+    load_tokenizer,
+    prompt_ids_of,
+)
 from trtc.runtime.executors import create_executor, default_num_blocks
 
 log = logging.getLogger("trtc.engine")
@@ -57,13 +66,16 @@ class LLMEngine:
         limits = self.manifest.limits
         self.model_name = self.manifest.name
         self.max_seq_len = limits.max_seq_len
-        # transformers takes seconds to import: the tokenizer loads on its own thread while the
-        # weights are read (file reads, hashing and device copies release the GIL).
+        # The tokenizer loads on its own thread while the weights are read (file reads, hashing
+        # and device copies release the GIL). A full one imports transformers, seconds that hold
+        # the GIL much of the time: an engine given prompts as ids loads a decode-only one.
         tokenizer = ThreadPoolExecutor(1, thread_name_prefix="trtc-tokenizer")
-        pending_tokenizer = tokenizer.submit(load_tokenizer, self.artifact.tokenizer_dir)
+        load = load_detokenizer if config.decode_only_tokenizer else load_tokenizer
+        pending_tokenizer = tokenizer.submit(load, self.artifact.tokenizer_dir)
         tokenizer.shutdown(wait=False)
         with self.startup.phase("interpreter and imports"):
             from trtc.runtime.executors import torch_executor  # noqa: F401  (onnx, torch ops)
+        warn_if_uncompiled(("torch", "onnx"))
         if config.speculative is not None:  # a draft model checks it has the same tokenizer
             self.tokenizer = pending_tokenizer.result()
         on_gpu = config.executor == "cuda" or (
@@ -76,7 +88,9 @@ class LLMEngine:
             )
         # A draft model's executor first: on a GPU the target's pool takes what it leaves.
         self.proposer = self._make_proposer(config)
-        self.executor = create_executor(config.executor, self.artifact, num_blocks, config.device)
+        self.executor = create_executor(
+            config.executor, self.artifact, num_blocks, config.device, config.defer_graphs
+        )
         if getattr(self.executor, "startup", None) is not None:
             self.startup.update(self.executor.startup)
         with self.startup.phase("tokenizer", "what loading it beside the weights left to wait"):
@@ -197,6 +211,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def finish_start_up(self) -> bool:
+        """Do one piece of the start-up work left for after ready (``defer_graphs``: a CUDA
+        graph captured); True while some remains. Call it between steps, never during one."""
+        capture = getattr(self.executor, "capture_deferred", None)
+        return capture is not None and capture()
 
     def unfinished_request_ids(self) -> list[str]:
         return [seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)]

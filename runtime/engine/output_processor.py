@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from trtc.runtime.core.sequence import Sequence
-
+if TYPE_CHECKING:  # (the server's side detokenizes too, and imports no torch)
+    from trtc.runtime.core.sequence import Sequence
 try:
     from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream

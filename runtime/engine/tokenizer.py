@@ -33,6 +33,52 @@ def load_tokenizer(directory: str | Path):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+class Detokenizer:
+    """What an engine that gets its prompts as ids needs of a tokenizer (ids to text, a
+    token's id), from the Rust ``tokenizers`` library alone: transformers' import is left to
+    the process that encodes prompts (a server's engine process would pay seconds of its start
+    for it, and the interpreter lock it holds is taken from loading the model beside it).
+    `load_detokenizer` uses it only where its decode is the full tokenizer's."""
+
+    clean_up_tokenization_spaces = False
+
+    def __init__(self, backend, unk_token: str | None = None):
+        self._tokenizer = backend  # (the name transformers' fast tokenizers give theirs)
+        self.unk_token_id = backend.token_to_id(unk_token) if unk_token else None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+
+def load_detokenizer(directory: str | Path):
+    """A `Detokenizer` for a tokenizer saved as ``TokenizersBackend`` over ``tokenizer.json``,
+    its special tokens named in ``tokenizer_config.json`` alone, that does not clean up spaces
+    after decoding (its decode is then the library's own); the full tokenizer otherwise."""
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if (
+        config.get("tokenizer_class") in DIRECT_CLASSES
+        and not config.get("clean_up_tokenization_spaces", False)
+        and (directory / "tokenizer.json").is_file()
+        and not (directory / "special_tokens_map.json").exists()
+    ):
+        from tokenizers import Tokenizer
+
+        unk = config.get("unk_token")
+        unk = unk.get("content") if isinstance(unk, dict) else unk
+        return Detokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")), unk)
+    return load_tokenizer(directory)
+
+
 def prompt_ids_of(tokenizer, prompt: str | list[int]) -> list[int]:
     """A completion prompt's ids: text is encoded as it stands (no BOS or other specials
     added), ids are taken as given."""

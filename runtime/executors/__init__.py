@@ -14,11 +14,16 @@ log = logging.getLogger("trtc.executor")
 
 
 def create_executor(
-    name: str, artifact: Artifact, num_blocks: int | None, device: str = "cpu"
+    name: str,
+    artifact: Artifact,
+    num_blocks: int | None,
+    device: str = "cpu",
+    defer_graphs: bool = False,
 ) -> Executor:
     """``auto`` picks the TensorRT executor when the artifact has an engine this host can run,
     else CUDA where a GPU is present, else the torch executor on the CPU; it says why it passed
-    over the engines. A forced ``tensorrt`` that cannot run is an error with the reason."""
+    over the engines. A forced ``tensorrt`` that cannot run is an error with the reason.
+    ``defer_graphs``: see `EngineConfig.defer_graphs` (the CUDA executor's)."""
     import torch
 
     from trtc.engines import choose_engine
@@ -52,7 +57,7 @@ def create_executor(
             )
         from trtc.runtime.executors.cuda_executor import CudaExecutor
 
-        return CudaExecutor(artifact, num_blocks)
+        return CudaExecutor(artifact, num_blocks, defer_graphs=defer_graphs)
     from trtc.runtime.executors.torch_executor import TorchExecutor
 
     return TorchExecutor(artifact, num_blocks or 1024, device)

@@ -8,19 +8,25 @@ on a small model: a few hundred kernel launches from Python).
 - Steps of a few tokens a sequence (speculative verification): a graph per (batch, tokens)
   bucket, captured on first use, each sequence padded to its bucket's tokens
   (`MultiTokenInputs`).
-- Prefill and mixed prefill + decode steps: a graph per token bucket (`MIXED_TOKEN_BUCKETS`),
-  captured at start over every sequence a step may run and one more: the step's tokens are
-  followed by one padding sequence that takes the bucket's remaining tokens, and the sequences
-  after it have none (`MixedStepInputs`). The attention kernels' launch depends on shapes
-  only, so one graph serves every step of its bucket. Run eagerly, such a step waits for its
-  kernels to be queued from Python, several times as long as a decode step of as many
-  sequences (BENCHMARKS.md, 2026-12-06). ``TRTC_MIXED_GRAPHS=0`` (or
-  ``mixed_graphs=False``) runs them eagerly. Longer steps, and steps asking for more logits
-  rows than the graphs' sequences, run eagerly."""
+- Prefill and mixed prefill + decode steps: a graph per token bucket (`MIXED_TOKEN_BUCKETS`)
+  over every sequence a step may run and one more: the step's tokens are followed by one
+  padding sequence that takes the bucket's remaining tokens, and the sequences after it have
+  none (`MixedStepInputs`). The attention kernels' launch depends on shapes only, so one graph
+  serves every step of its bucket. Run eagerly, such a step waits for its kernels to be queued
+  from Python, several times as long as a decode step of as many sequences (BENCHMARKS.md,
+  2026-12-06). ``TRTC_MIXED_GRAPHS=0`` (or ``mixed_graphs=False``) runs them eagerly. Longer
+  steps, and steps asking for more logits rows than the graphs' sequences, run eagerly.
+
+The decode and prefill / mixed-step graphs are captured at start; a server's
+(``defer_graphs``, `EngineConfig.defer_graphs`) captures only the one-sequence decode graph and
+the smallest prefill / mixed-step one before it is ready and the others a piece at a time after
+(`capture_deferred`), so a replica is ready sooner; a step whose graph is not there yet replays
+a larger one or runs eagerly (`trtc tune` ships the kernels of the eager launches too)."""
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -120,6 +126,7 @@ class CudaExecutor(TorchExecutor):
         rank: int = 0,
         use_tuning: bool = True,
         mixed_graphs: bool | None = None,
+        defer_graphs: bool = False,
     ):
         self.startup = StartupPhases()
         with self.startup.phase("cuda context"):
@@ -153,13 +160,25 @@ class CudaExecutor(TorchExecutor):
             )
         super().__init__(artifact, num_blocks, device, rank)
         self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
+        # Decode steps: batch -> (graph, inputs, logits), captured at start, or with
+        # ``defer_graphs`` only the smallest, the rest after it (`capture_deferred`).
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
+        self._graph_batches: list[int] = []  # the batches of graphs, ascending
+        self._decode_pool = None
         # Steps of up to MULTI_TOKEN_BUCKETS[-1] tokens a sequence (speculative verification,
         # short chunks), captured the first time a shape is met: (batch, tokens) -> graph.
         self.multi_graphs: dict[tuple[int, int], tuple] = {}
         self._multi_pool = None
-        # Prefill and mixed steps: tokens -> (graph, inputs), captured at start.
+        # Prefill and mixed steps: tokens -> (graph, inputs), captured at start, or with
+        # ``defer_graphs`` after it.
         self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, MixedStepInputs]] = {}
+        self._mixed_captured: list[int] = []  # the buckets of mixed_graphs, ascending
+        self._mixed_pool = None
+        self.mixed_logits: torch.Tensor | None = None
+        # Graphs still to capture, in order: ("decode", batch) or ("mixed", tokens); and the
+        # one whose warm-up has run, to be captured next (`capture_deferred`).
+        self._to_capture: list[tuple[str, int]] = []
+        self._warmed: tuple | None = None
         with self.startup.phase(
             "kernels",
             "loaded from the artifact's tuning" if self.tuning else "compiled (not tuned here)",
@@ -168,12 +187,27 @@ class CudaExecutor(TorchExecutor):
         if use_cuda_graphs:
             with self.startup.phase("graphs") as phases:
                 reserved = torch.cuda.memory_reserved(self.device)
-                self.capture_graphs()
+                if defer_graphs:
+                    # Now: the one-sequence decode graph and the smallest prefill / mixed-step
+                    # one, which also runs decode steps of any batch (their tokens fit): until
+                    # the rest are captured, short prompts and every decode step replay a graph.
+                    self._plan_captures(mixed=True)
+                    first = [("decode", self.graph_sizes[0])]
+                    first += [("mixed", self.mixed_sizes[0])] if self.mixed_sizes else []
+                    for kind, size in first:
+                        self._to_capture.remove((kind, size))
+                        self._capture_one(kind, size)
+                else:
+                    self.capture_graphs()
+                # (A capture empties the allocator's cache first: what the warm-up left there
+                # can outweigh a small graph's pool.)
                 held = torch.cuda.memory_reserved(self.device) - reserved
+                later = f", {len(self._to_capture)} after ready" if self._to_capture else ""
+                size = f", {held / 2**20:.0f} MiB" if held > 0 else ""
                 phases.note(
                     "graphs",
                     f"{len(self.graph_sizes)} decode batch sizes, {len(self.mixed_sizes)} "
-                    f"prefill / mixed token buckets, {held / 2**20:.0f} MiB",
+                    f"prefill / mixed token buckets{later}{size}",
                 )
 
     @staticmethod
@@ -244,44 +278,100 @@ class CudaExecutor(TorchExecutor):
         mixed-step graph per token bucket, with the kernels' launch settings as they are now
         (`trtc tune`'s A/B of programmatic dependent launch and the GEMV recaptures the decode
         graphs it times, then everything with the winners)."""
-        self.graphs.clear()
-        torch.cuda.synchronize(self.device)
-        pool = None
-        for batch in sorted(
-            self.graph_sizes, reverse=True
-        ):  # largest first: smaller ones reuse its memory
-            inputs = DecodeInputs(batch, self.max_blocks_per_seq, self.device)
-            graph, logits = self._capture(inputs.tensors, pool)
-            pool = graph.pool()
-            self.graphs[batch] = (graph, inputs, logits)
-        torch.cuda.synchronize(self.device)
-        if mixed:
-            self._capture_mixed_graphs()
+        self._plan_captures(mixed)
+        while self.capture_deferred():
+            pass
 
-    def _capture_mixed_graphs(self) -> None:
-        """A graph per token bucket, largest first, in one memory pool (one step runs at a
-        time, and its logits are sampled before the next is queued), all writing their logits
+    def _plan_captures(self, mixed: bool) -> None:
+        """Drop the decode graphs (and, with ``mixed``, the prefill / mixed-step ones) and list
+        them for capture: decode first, each kind largest first, into one memory pool per kind
+        (smaller graphs reuse the largest's memory: one step runs at a time, and its logits
+        are sampled before the next is queued). The mixed-step graphs all write their logits
         into one buffer (`mixed_logits`): one ``[seqs, vocab]`` block, not one a bucket."""
-        self.mixed_graphs.clear()
-        if not self.mixed_sizes:
-            return
-        seqs = self.mixed_seqs
-        vocab = self.manifest.model.vocab_size
-        self.mixed_logits = torch.empty(seqs, vocab, dtype=torch.float32, device=self.device)
-        pool = None
-        for tokens in sorted(self.mixed_sizes, reverse=True):
-            inputs = MixedStepInputs(
-                tokens, seqs, self.max_blocks_per_seq, self.block_size, self.device
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self._graph_batches, self._decode_pool = [], None
+        pending = [(w[0], w[1])] if (w := self._warmed) is not None else []
+        self._warmed = None
+        plan = [("decode", b) for b in sorted(self.graph_sizes, reverse=True)]
+        if mixed:
+            self.mixed_graphs.clear()
+            self._mixed_captured, self._mixed_pool = [], None
+            plan += [("mixed", t) for t in sorted(self.mixed_sizes, reverse=True)]
+        else:  # the mixed-step graphs still to capture stay in the plan
+            plan += [p for p in pending + self._to_capture if p[0] == "mixed"]
+        self._to_capture = plan
+
+    @torch.inference_mode()
+    def capture_deferred(self) -> bool:
+        """Do the next piece of capturing the graphs still to capture: a graph's warm-up run,
+        then its capture (each a few milliseconds of host time, so that a step that comes
+        meanwhile waits for one piece at most); True while some are left. Until a step's graph
+        is there, the step runs in the smallest captured graph that holds it, or eagerly."""
+        if self._warmed is not None:
+            self._record_one(*self._warmed)
+            self._warmed = None
+        elif self._to_capture:
+            kind, size = self._to_capture.pop(0)
+            inputs = self._graph_inputs(kind, size)
+            self._warm(inputs.tensors)
+            self._warmed = (kind, size, inputs)
+        else:
+            return False
+        if self._warmed is None and not self._to_capture:
+            log.info(
+                "graphs: decode batches %s, prefill / mixed-step tokens %s",
+                self._graph_batches,
+                self._mixed_captured,
             )
-            graph, _ = self._capture(inputs.tensors, pool, out=self.mixed_logits)
-            pool = graph.pool()
-            self.mixed_graphs[tokens] = (graph, inputs)
+            return False
+        return True
+
+    @contextmanager
+    def graphs_set_aside(self):
+        """Run every step eagerly meanwhile, as a server's steps run before their graphs are
+        captured (``defer_graphs``) and as steps beyond the graphs always do: `trtc tune` runs
+        its serving shapes so too, so that the kernels of those launches ship as well."""
+        batches, buckets = self._graph_batches, self._mixed_captured
+        self._graph_batches, self._mixed_captured = [], []
+        try:
+            yield
+        finally:
+            self._graph_batches, self._mixed_captured = batches, buckets
+
+    def _capture_one(self, kind: str, size: int) -> None:
+        inputs = self._graph_inputs(kind, size)
+        self._warm(inputs.tensors)
+        self._record_one(kind, size, inputs)
+
+    def _graph_inputs(self, kind: str, size: int) -> DecodeInputs | MixedStepInputs:
+        if kind == "decode":
+            return DecodeInputs(size, self.max_blocks_per_seq, self.device)
+        if self.mixed_logits is None:  # one buffer every mixed-step graph writes its logits to
+            seqs, vocab = self.mixed_seqs, self.manifest.model.vocab_size
+            self.mixed_logits = torch.empty(seqs, vocab, dtype=torch.float32, device=self.device)
+        return MixedStepInputs(
+            size, self.mixed_seqs, self.max_blocks_per_seq, self.block_size, self.device
+        )
+
+    def _record_one(self, kind: str, size: int, inputs) -> None:
+        """Capture the warmed graph of ``kind`` and ``size`` into its kind's memory pool."""
+        if kind == "decode":
+            graph, logits = self._record(inputs.tensors, self._decode_pool)
+            self._decode_pool = graph.pool()
+            self.graphs[size] = (graph, inputs, logits)
+            self._graph_batches = sorted(self.graphs)
+        else:
+            graph, _ = self._record(inputs.tensors, self._mixed_pool, out=self.mixed_logits)
+            self._mixed_pool = graph.pool()
+            self.mixed_graphs[size] = (graph, inputs)
+            self._mixed_captured = sorted(self.mixed_graphs)
         torch.cuda.synchronize(self.device)
 
     def _replay_mixed(self, step: StepInputs, input_ids: torch.Tensor | None):
         """A prefill or mixed step from the graph of the smallest token bucket that holds it
         and one padding sequence; None when none does (then it runs eagerly)."""
-        tokens = next((t for t in self.mixed_sizes if t >= step.num_tokens), None)  # ascending
+        tokens = next((t for t in self._mixed_captured if t >= step.num_tokens), None)
         if tokens is None:
             return None
         graph, inputs = self.mixed_graphs[tokens]
@@ -297,14 +387,23 @@ class CudaExecutor(TorchExecutor):
         self, tensors: dict, pool, out: torch.Tensor | None = None
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step graph on static ``tensors`` as a CUDA graph (memory from ``pool``), after
-        two warm-up runs that compile the kernels and settle the allocator; with ``out``, the
-        graph copies its logits into it (a buffer graphs share) and returns it."""
+        a warm-up run; with ``out``, the graph copies its logits into it (a buffer graphs share)
+        and returns it."""
+        self._warm(tensors)
+        return self._record(tensors, pool, out)
+
+    def _warm(self, tensors: dict) -> None:
+        """Run the step once on a side stream before its capture: the kernels of its shapes
+        are compiled or loaded (a Triton kernel specializes on some of them) outside it."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward(tensors)
+            self.forward(tensors)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _record(
+        self, tensors: dict, pool, out: torch.Tensor | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.forward(tensors)
@@ -318,7 +417,7 @@ class CudaExecutor(TorchExecutor):
         sampler copies back token ids only), and ``input_ids`` on the GPU are copied in stream
         order, behind the kernels of the step that produces them."""
         num_tokens, num_seqs = step.num_tokens, step.num_seqs
-        size = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
+        size = next((b for b in self._graph_batches if b >= num_seqs), None)
         if (
             num_tokens != num_seqs
             and size is not None

@@ -40,8 +40,10 @@ class FakeModel:
         slots = tensors.slot_mapping.tolist()
         assert len(slots) == len(set(slots)), "two tokens of one step write the same KV slot"
         for s in slots:
-            block = self.bm.blocks[s // self.bm.block_size]
-            assert block.ref_count == 1 and block.hash is None, "a step writes into a shared block"
+            block_id = s // self.bm.block_size
+            assert self.bm.ref_counts[block_id] == 1 and self.bm.block_hashes[block_id] is None, (
+                "a step writes into a shared block"
+            )
         out = []
         for seq, w in zip(batch.seqs, work):
             for i, tok in enumerate(w.new_tokens):

@@ -30,6 +30,7 @@ def test_server_and_in_process_count_the_same_tokens(tiny_artifacts, tmp_path):
     try:
         (http,) = bench_url(server.url, SPEC, 4, None)
         (http_text,) = bench_url(server.url, TEXT_SPEC, 4, None, tokenizer=tokenizer)
+        (http_2,) = bench_url(server.url, SPEC, 4, None, processes=2)  # two load generators
         card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     finally:
         server.stop()
@@ -43,6 +44,12 @@ def test_server_and_in_process_count_the_same_tokens(tiny_artifacts, tmp_path):
     assert local["output_tokens"] == http["output_tokens"] == want
     # The same request set: the server's card names the special tokens left out of prompts.
     assert local["prompt_tokens"] == http["prompt_tokens"]
+    # Spread over two processes, every request is sent once and every token counted.
+    assert http_2["client_processes"] == 2 and http["client_processes"] == 1
+    assert (http_2["requests"], http_2["prompt_tokens"], http_2["output_tokens"]) == (
+        12, http["prompt_tokens"], want,
+    )  # fmt: skip
+    assert http_2["client_cpu_cores"] > 0 and http_2["duration_s"] > 0
     assert http["requests"] == 12 and http["tpot_s"]["p50"] > 0 and http["itl_s"]["p50"] > 0
     # Both sides' CPU is reported, read from this process and from the server's /metrics.
     assert http["client_cpu_cores"] > 0 and http["server_cpu_cores"] > 0

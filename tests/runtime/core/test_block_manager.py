@@ -67,15 +67,15 @@ def test_shared_prefix_is_reused_across_sequences():
     assert bm.allocate(b, b.num_tokens, cached)
     assert b.block_table[:4] == a.block_table[:4]  # shared ...
     assert b.block_table[4] not in a.block_table  # ... and its own tail
-    assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:4])
-    assert bm.blocks[a.block_table[4]].ref_count == 1
+    assert all(bm.ref_counts[i] == 2 for i in a.block_table[:4])
+    assert bm.ref_counts[a.block_table[4]] == 1
     assert bm.num_free_blocks == free_before - 1  # only the tail block was new
     assert b.num_computed_tokens == b.num_cached_prefix_tokens == 64
     assert bm.prefix_cache_hits == 64
     assert bm.prefix_cache_queries == a.num_tokens + b.num_tokens
 
     bm.free(a)
-    assert all(bm.blocks[i].ref_count == 1 for i in b.block_table[:4])
+    assert all(bm.ref_counts[i] == 1 for i in b.block_table[:4])
     bm.free(b)
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()

@@ -87,7 +87,7 @@ def test_preemption_lets_more_requests_than_fit_all_finish():
     assert sched.num_preemptions > 0
     assert all(r.finish_reason == "length" and r.num_output_tokens == 12 for r in reqs)
     bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
 
     # Preemption and recomputation do not change a single token.
     roomy, roomy_model = make(num_blocks=200, block_size=4, budget=64)

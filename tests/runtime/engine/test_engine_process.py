@@ -28,18 +28,24 @@ async def run_all(async_engine: AsyncEngine, params: SamplingParams) -> list[lis
     return await asyncio.gather(*(one(p) for p in PROMPTS))
 
 
-def test_the_engine_process_streams_what_the_engine_gives_in_process(tiny_artifacts):
-    art = tiny_artifacts["tiny-llama"]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = LLM(art, executor="torch", num_blocks=64).generate(PROMPTS, params)
+def through_a_process(art, *param_sets: SamplingParams) -> tuple[EngineProcess, list]:
+    """An engine process, `PROMPTS` streamed through it once per set of parameters, stopped:
+    the process and, per set, each prompt's outputs."""
     engine = EngineProcess(art, CONFIG)
     engine.wait_ready()
     async_engine = AsyncEngine(engine, 8)
     async_engine.start()
     try:
-        streams = asyncio.run(run_all(async_engine, params))
+        return engine, [asyncio.run(run_all(async_engine, p)) for p in param_sets]
     finally:
         async_engine.stop()
+
+
+def test_the_engine_process_streams_what_the_engine_gives_in_process(tiny_artifacts):
+    art = tiny_artifacts["tiny-llama"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = LLM(art, executor="torch", num_blocks=64).generate(PROMPTS, params)
+    engine, (streams,) = through_a_process(art, params)
     assert engine._proc.returncode == 0  # stopped in order, not killed
     for outs, w in zip(streams, want):
         last = outs[-1]
@@ -52,11 +58,31 @@ def test_the_engine_process_streams_what_the_engine_gives_in_process(tiny_artifa
     assert engine.limits.kv_blocks == 64 and "weights" in engine.startup.seconds
 
 
+def test_text_made_on_the_server_side_or_with_stop_strings_by_the_engine(tiny_artifacts):
+    """Without stop strings the engine process sends ids and this side makes the text; with
+    them, the engine (which must stop at one) sends it: both as the engine gives in-process."""
+    art = tiny_artifacts["tiny-llama"]
+    plain = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    ref = LLM(art, executor="torch", num_blocks=64).generate(PROMPTS, plain)
+    text = next(w.text for w in ref if len(w.text) > 6)
+    stop = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop=(text[3:6],))
+    want = LLM(art, executor="torch", num_blocks=64).generate(PROMPTS, stop)
+    assert any(w.finish_reason == "stop" for w in want)
+    _, (got_plain, got_stop) = through_a_process(art, plain, stop)
+    for streams, expected in ((got_plain, ref), (got_stop, want)):
+        for outs, w in zip(streams, expected):
+            assert (outs[-1].text, outs[-1].finish_reason) == (w.text, w.finish_reason)
+            assert outs[-1].token_ids == w.token_ids
+            # The deltas streamed add up to the text, save what a stop string cut at the end.
+            streamed = "".join(o.delta_text for o in outs)
+            assert streamed.startswith(w.text)
+            assert streamed == w.text or w.finish_reason == "stop"
+
+
 def test_the_server_side_imports_no_torch(tiny_artifacts):
     """The front end (HTTP server, tokenizer, engine handle) leaves torch to the engine's
     process: its memory and import time are paid once, there."""
     code = (
-        "import sys\n"
         "import trtc.runtime.serving.server\n"
         "from trtc.runtime.engine import EngineConfig\n"
         "from trtc.runtime.engine.engine_process import EngineProcess\n"
@@ -65,12 +91,31 @@ def test_the_server_side_imports_no_torch(tiny_artifacts):
         "e.stop()\n"
         "print(sorted(m for m in ('torch', 'onnx', 'triton') if m in sys.modules))\n"
     )
+    assert last_line_of(code, tiny_artifacts["tiny-llama"]) == "[]"
+
+
+def last_line_of(code: str, artifact) -> str:
+    """The last line ``code`` prints in a fresh interpreter (``sys`` imported, the artifact's
+    path in ``sys.argv[1]``)."""
     done = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_artifacts["tiny-llama"])],
+        [sys.executable, "-c", "import sys\n" + code, str(artifact)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_an_engine_given_prompts_as_ids_imports_no_transformers(tiny_artifacts):
+    """The engine process (prompts come as ids) decodes with the Rust tokenizer alone: the
+    seconds of transformers' import stay out of its start. (Its text equals the full
+    tokenizer's: the first test above compares them.)"""
+    code = (
+        "from trtc.runtime.engine import EngineConfig, LLMEngine\n"
+        "config = EngineConfig(executor='torch', num_blocks=16, decode_only_tokenizer=True)\n"
+        "engine = LLMEngine(sys.argv[1], config)\n"
+        "print(type(engine.tokenizer).__name__, 'transformers' in sys.modules)\n"
+    )
+    assert last_line_of(code, tiny_artifacts["tiny-llama"]) == "Detokenizer False"
 
 
 def test_an_engine_that_cannot_start_says_why(tiny_artifacts):

@@ -119,6 +119,57 @@ def test_mixed_steps_replay_a_token_bucket_graph_with_the_eager_logits(tiny_arti
         torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)
 
 
+def test_deferred_graphs_are_captured_one_at_a_time_and_used_as_they_come(tiny_artifacts):
+    """A server's executor captures the one-sequence decode graph and the smallest prefill /
+    mixed-step graph at start and the rest after, a piece at a time (a graph's warm-up, then
+    its capture), decode first, each kind largest first: meanwhile a decode step of several
+    sequences replays the smallest mixed-step graph, a longer prefill runs eagerly, and a step
+    replays the smallest captured graph that holds it (the same logits and KV writes)."""
+    from trtc.runtime.executors.cuda_executor import CudaExecutor
+
+    art = Artifact.open(tiny_artifacts["tiny-llama"])
+    eager = CudaExecutor(art, num_blocks=64, mixed_graphs=False)
+    graphed = CudaExecutor(art, num_blocks=64, mixed_graphs=True, defer_graphs=True)
+    assert sorted(graphed.graphs) == [1] and sorted(graphed.mixed_graphs) == [128]
+    assert "5 after ready" in graphed.startup.notes["graphs"]  # decode 8, 4, 2; mixed 256, 192
+    eager_runs = []
+    forward = graphed.forward
+    graphed.forward = lambda feeds: eager_runs.append(1) or forward(feeds)
+    tables = [list(range(0, 7)), list(range(10, 14))]
+    seen = []
+    # At start; decode 8, 4, 2 and the warm-up of mixed 256 (a step between a graph's two
+    # pieces); its capture; mixed 192.
+    for pieces in (0, 7, 1, 2):
+        for _ in range(pieces):
+            more = graphed.capture_deferred()
+        assert not pieces or more == (pieces != 2)
+        prompts = [[(pieces * 7 + i) % 200 + 1 for i in range(100)], list(range(100, 157))]
+        prefill = [SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]  # 157 tokens
+        decode = [SequenceWork([9], len(p), t) for p, t in zip(prompts, tables)]
+        for work in (prefill, decode):
+            step = make_step(work, 16)
+            eager_runs.clear()  # (a capture runs the forward too)
+            a, b = eager.execute(step), graphed.execute(step)
+            seen.append(bool(eager_runs))
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)
+        seen.append((sorted(graphed.graphs), sorted(graphed.mixed_graphs)))
+    assert seen == [
+        True, False, ([1], [128]),
+        True, False, ([1, 2, 4, 8], [128]),
+        False, False, ([1, 2, 4, 8], [128, 256]),
+        False, False, ([1, 2, 4, 8], [128, 192, 256]),
+    ]  # fmt: skip
+    assert graphed.capture_deferred() is False
+    with graphed.graphs_set_aside():  # what trtc tune runs its serving shapes with, too
+        eager_runs.clear()
+        graphed.execute(make_step(decode, 16))
+        assert eager_runs
+    eager_runs.clear()
+    graphed.execute(make_step(decode, 16))
+    assert not eager_runs
+
+
 # tiny-qwen3: per-head q/k norms, its layers left to the unfused rotary and cache write.
 @pytest.mark.parametrize("name", ["tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
 def test_greedy_generation_same_on_gpu_and_cpu(tiny_artifacts, name):
