@@ -22,7 +22,7 @@ def make_generator(
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def _rows_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def rows_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small per-row tensor on ``device``, without waiting for the device: a GPU gets it
     through pinned memory (a copy from pageable memory would synchronise the stream)."""
     t = torch.tensor(values, dtype=dtype)
@@ -58,7 +58,7 @@ class Sampler:
         if not random_rows:
             return ids
         every_row = len(random_rows) == len(params)
-        index = None if every_row else _rows_tensor(random_rows, torch.int64, logits.device)
+        index = None if every_row else rows_tensor(random_rows, torch.int64, logits.device)
         rows = (logits if every_row else logits.index_select(0, index)).float()
         probs = self._probs([params[i] for i in random_rows], rows)
         q = torch.empty_like(probs).exponential_()
@@ -90,13 +90,13 @@ class Sampler:
     def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         """Temperature, then top-k, then top-p (on what top-k kept), as probabilities."""
         vocab, device = logits.shape[-1], logits.device
-        temperature = _rows_tensor([p.temperature for p in params], logits.dtype, device)
+        temperature = rows_tensor([p.temperature for p in params], logits.dtype, device)
         logits = logits / temperature[:, None]
         if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):  # decided on the host
-            top_k = _rows_tensor(
+            top_k = rows_tensor(
                 [p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device
             )
-            top_p = _rows_tensor([p.top_p for p in params], logits.dtype, device)
+            top_p = rows_tensor([p.top_p for p in params], logits.dtype, device)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=logits.device)
             drop = rank[None, :] >= top_k[:, None]

@@ -18,6 +18,7 @@ preempted: their blocks are freed and they go back to the front of the queue, to
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -43,9 +44,13 @@ class ScheduledBatch:
     # (False for a prefill chunk that is not the last). Fixed at schedule time.
     samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Scheduled ahead (`Scheduler.schedule_ahead`): row i decodes the token the previous step
-    # samples for row i, which the host has not seen yet (the executor takes it on the device).
-    ahead: bool = False
+    # Scheduled ahead (`Scheduler.schedule_ahead`): its first ``ahead`` rows each decode the
+    # token the previous step samples for its row of the same index, which the host has not
+    # seen yet (the executor takes those ids on the device); rows after them were admitted.
+    ahead: int = 0
+    # Which rows of the previous step those are, when not all of them in order (the rows of
+    # sequences that ended meanwhile are left out).
+    ahead_rows: list[int] | None = None
 
     def add(self, seq: Sequence, num_new_tokens: int, proposal: Proposal | None = None) -> None:
         """``num_new_tokens`` of ``seq``'s uncomputed tokens, and ``proposal``'s drafts."""
@@ -74,12 +79,14 @@ class ScheduledBatch:
 
     def to_work(self) -> list[SequenceWork]:
         """The step contract's input (call before ``postprocess``, which advances the sequences).
-        A step scheduled ahead holds a placeholder input token per row, at the position after
-        the sequence's last known token."""
-        if self.ahead:
-            return [SequenceWork([0], seq.num_tokens, list(seq.block_table)) for seq in self.seqs]
-        work = []
-        for seq, n, proposal in zip(self.seqs, self.num_new_tokens, self.proposals):
+        A row scheduled ahead holds a placeholder input token, at the position after its
+        sequence's last known token."""
+        work = [
+            SequenceWork([0], seq.num_tokens, list(seq.block_table))
+            for seq in self.seqs[: self.ahead]
+        ]
+        rows = zip(self.seqs, self.num_new_tokens, self.proposals)
+        for seq, n, proposal in itertools.islice(rows, self.ahead, None):
             if proposal:
                 w = seq.to_work(n - len(proposal))
                 w.new_tokens += proposal.tokens
@@ -183,12 +190,14 @@ class Scheduler:
 
         # 2. Waiting sequences, in order; not in a step that had to preempt (the pool is short, and
         # the preempted sequences, first in line, would only take back the blocks just freed).
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and not batch.preempted
-        ):
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting sequences into ``batch``, in order, while the budget, the sequence
+        limit and the pool allow (a prompt may start with a chunk)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.cached_prefix_blocks(seq)
             num_cached = len(cached) * self.block_manager.block_size
@@ -200,30 +209,36 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
-        return batch
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The step after ``batch``, scheduled while ``batch`` still runs (before its sampled tokens
-        are known): each of its sequences decodes the token ``batch`` samples for it. That is what
-        ``schedule`` would give next whenever every running sequence is in ``batch`` and samples,
-        nobody waits to be admitted and the pool has a slot for each; otherwise None, and the
-        caller schedules normally once the tokens are in.
+        are known): each of its sequences decodes the token ``batch`` samples for it, and waiting
+        sequences are admitted after them as ``schedule`` would (their prompts are known). That
+        is what ``schedule`` would give next whenever every running sequence is in ``batch`` and
+        samples and the pool has a slot for each; otherwise None, and the caller schedules
+        normally once the tokens are in. (Admitting here matters to a server: a request that
+        arrives while steps run would otherwise stop the pipeline for a step.)
 
         A row whose sequence stops on the token ``batch`` samples (EOS, a stop string, an abort)
         is computed for nothing and dropped by ``postprocess``; sequences that reach max_tokens
-        with it are known in advance, so a step of nothing but those is not scheduled."""
+        with it are known in advance, so a step of nothing but those is not scheduled. Rows of
+        ``batch`` whose sequences ended since it was scheduled are left out (``ahead_rows``)."""
+        rows = [i for i, seq in enumerate(batch.seqs) if seq.status is SequenceStatus.RUNNING]
         if (
-            self.waiting
-            or batch.speculative
-            or len(batch) != len(self.running)
-            or len(batch) > self.max_num_batched_tokens
+            batch.speculative
+            or not rows
+            or len(rows) != len(self.running)
+            or len(rows) > self.max_num_batched_tokens
             or not all(batch.samples)
-            or any(seq.status is not SequenceStatus.RUNNING for seq in batch.seqs)
-            or all(seq.num_output_tokens + 1 >= seq.params.max_tokens for seq in batch.seqs)
+            or all(
+                batch.seqs[i].num_output_tokens + 1 >= batch.seqs[i].params.max_tokens for i in rows
+            )
         ):
             return None
-        ahead = ScheduledBatch(ahead=True)
-        for seq in batch.seqs:
+        ahead = ScheduledBatch(ahead=len(rows))
+        if len(rows) < len(batch):
+            ahead.ahead_rows = rows
+        for seq in (batch.seqs[i] for i in rows):
             # Room for the position after the sampled token's: num_tokens + 1 once it is appended.
             if not self.block_manager.ensure_capacity(seq, seq.num_tokens + 1):
                 return None  # growing the others was not wasted: the next step needs it
@@ -231,6 +246,7 @@ class Scheduler:
             ahead.num_new_tokens.append(1)
             ahead.proposals.append(None)
             ahead.samples.append(True)
+        self._admit(ahead, self.max_num_batched_tokens - len(ahead))
         return ahead
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> Proposal | None:

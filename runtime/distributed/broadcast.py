@@ -15,7 +15,7 @@ import torch.distributed as dist
 from trtc.contract import STEP_INPUTS, StepInputs
 
 STEP, STOP = 1, 0
-_HEADER = 6  # kind, num_tokens, num_seqs, max_blocks, num_logits, device input_ids (0/1)
+_HEADER = 6  # kind, num_tokens, num_seqs, max_blocks, num_logits, device input ids (count)
 _DTYPES = {"int64": torch.int64, "int32": torch.int32}
 
 
@@ -34,7 +34,7 @@ def _sizes(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int) -> 
 
 def send_step(step: StepInputs, input_ids: torch.Tensor | None, control, device_group) -> None:
     """Driver side (rank 0): broadcast ``step`` (host tensors) and, if given, ``input_ids`` on
-    the device (they replace the step's)."""
+    the device (they replace the first of the step's)."""
     header = torch.tensor(
         [
             STEP,
@@ -42,7 +42,7 @@ def send_step(step: StepInputs, input_ids: torch.Tensor | None, control, device_
             step.num_seqs,
             step.block_tables.shape[1],
             step.logits_indices.shape[0],
-            input_ids is not None,
+            0 if input_ids is None else input_ids.shape[0],
         ],
         dtype=torch.int64,
     )
@@ -77,6 +77,6 @@ def receive_step(
     tensors["block_tables"] = tensors["block_tables"].view(num_seqs, max_blocks)
     input_ids = None
     if device_ids:
-        input_ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
+        input_ids = torch.empty(device_ids, dtype=torch.int64, device=device)
         dist.broadcast(input_ids, src=0, group=device_group)
     return StepInputs(**tensors), input_ids

@@ -15,7 +15,7 @@ from trtc import envs
 from trtc.artifact import Artifact
 from trtc.contract import make_step
 from trtc.runtime.core.block_manager import BlockManager
-from trtc.runtime.core.sampler import Sampler, make_generator
+from trtc.runtime.core.sampler import Sampler, make_generator, rows_tensor
 from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
 from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
 from trtc.runtime.core.startup import (
@@ -46,6 +46,9 @@ log = logging.getLogger("trtc.engine")
 
 # The first engine of a process reports the interpreter and imports before it as a phase.
 _first_engine = True
+
+# What a row that samples nothing is drawn with, when a whole step is drawn on the device.
+GREEDY = SamplingParams(temperature=0.0)
 
 # Tokens that end a chat turn in the families trtc serves, beside the tokenizer's own EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
@@ -229,8 +232,10 @@ class LLMEngine:
         one's tokens are read (`Scheduler.schedule_ahead`; its input tokens go from this step's
         argmax to its inputs on the device), so the host's scheduling, input preparation and
         output handling overlap the GPU instead of leaving it idle between steps (tokens are
-        drawn on the device, seeded requests from their own generator there). Only pure
-        continuations go ahead: a step that admits, preempts or finishes every row waits."""
+        drawn on the device, seeded requests from their own generator there). A step goes
+        ahead when every running sequence samples in this one (rows of sequences that ended
+        meanwhile are left out); waiting requests are admitted into it. A step that preempts,
+        or that finishes every row by length, waits."""
         launched, self._ahead = self._ahead, None
         if launched is not None and not launched.batch.has_running():
             launched = None  # every row finished or was aborted since it was queued
@@ -244,7 +249,11 @@ class LLMEngine:
         if launched.device_tokens is not None and not self._speculation_on():
             ahead = self.scheduler.schedule_ahead(launched.batch)
             if ahead is not None:
-                self._ahead = self._launch(ahead, input_ids=launched.device_tokens)
+                ids = launched.device_tokens
+                if ahead.ahead_rows is not None:  # rows of ended sequences left out
+                    rows = rows_tensor(ahead.ahead_rows, torch.int64, ids.device)
+                    ids = ids.index_select(0, rows)
+                self._ahead = self._launch(ahead, input_ids=ids)
         return self._complete(launched.batch, launched.tokens())
 
     def _speculation_on(self) -> bool:
@@ -316,6 +325,17 @@ class LLMEngine:
         if self.async_scheduling and len(sampling) == len(batch):
             ids = self.sampler.sample_on_device(logits, [s.params for s in seqs], generators)
             return LaunchedStep(batch, ids, self.readback.start(ids))
+        if self.async_scheduling and batch.ahead:
+            # A step queued ahead with an admitted prompt chunk that does not end its prompt:
+            # still nothing waits for it here. Every row is drawn on the device; the chunk's
+            # row takes the argmax, ignored, its request's generator left untouched.
+            params = [s.params if ok else GREEDY for s, ok in zip(batch.seqs, batch.samples)]
+            generators = [
+                self.generators[s.request_id] if ok else None
+                for s, ok in zip(batch.seqs, batch.samples)
+            ]
+            ids = self.sampler.sample_on_device(logits, params, generators)
+            return LaunchedStep(batch, None, self.readback.start(ids))
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
             rows = (
@@ -373,10 +393,10 @@ class LLMEngine:
             n_prefill,
             n_decode,
             [s.request_id for s in batch.preempted],
-            batch.ahead,
+            bool(batch.ahead),
         )
         self.counters.steps += 1
-        self.counters.ahead_steps += batch.ahead
+        self.counters.ahead_steps += bool(batch.ahead)
         if n_decode and n_prefill:
             self.counters.mixed_steps += 1
             log.info(

@@ -30,7 +30,9 @@ class Executor(Protocol):
     def execute(self, step: StepInputs) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` fp32, on the executor's device, valid until the next call.
         An executor with ``takes_device_input_ids = True`` also takes ``input_ids=`` a tensor on
-        its device that replaces the step's (async scheduling: the previous step's sampled ids)."""
+        its device that replaces the first ``len(input_ids)`` of the step's (async scheduling:
+        the previous step's sampled ids, one per row it decodes; rows admitted after them bring
+        their own)."""
 
 
 def default_num_blocks(manifest: Manifest, kv_cache_memory: int, max_num_seqs: int) -> int:

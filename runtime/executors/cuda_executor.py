@@ -38,7 +38,7 @@ from trtc.runtime.core.startup import StartupPhases
 from trtc.runtime.executors.fusions import RUNTIME_OPS, fuse
 from trtc.runtime.executors.fusions.int4_fragment import int4_fragment_bytes
 from trtc.runtime.executors.graph import GraphNode
-from trtc.runtime.executors.torch_executor import TorchExecutor
+from trtc.runtime.executors.torch_executor import TorchExecutor, with_device_ids
 from trtc.runtime.executors.torch_ops import ONNX_OPS
 from trtc.runtime.executors.tuning import apply as apply_tuning
 from trtc.runtime.executors.tuning import load_tuning
@@ -379,7 +379,7 @@ class CudaExecutor(TorchExecutor):
             return None
         rows = inputs.load(step)
         if input_ids is not None:
-            inputs.tensors["input_ids"][: step.num_tokens].copy_(input_ids)
+            inputs.tensors["input_ids"][: len(input_ids)].copy_(input_ids)
         graph.replay()
         return self.mixed_logits[:rows]
 
@@ -414,8 +414,8 @@ class CudaExecutor(TorchExecutor):
     @torch.inference_mode()
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """As the torch executor's, but nothing waits for the GPU: the logits stay on it (the
-        sampler copies back token ids only), and ``input_ids`` on the GPU are copied in stream
-        order, behind the kernels of the step that produces them."""
+        sampler copies back token ids only), and ``input_ids`` on the GPU (the first of the
+        step's) are copied in stream order, behind the kernels of the step that produces them."""
         num_tokens, num_seqs = step.num_tokens, step.num_seqs
         size = next((b for b in self._graph_batches if b >= num_seqs), None)
         if (
@@ -434,12 +434,12 @@ class CudaExecutor(TorchExecutor):
                     return logits
             feeds = step.to(self.device, non_blocking=True).as_dict()
             if input_ids is not None:
-                feeds["input_ids"] = input_ids
+                feeds["input_ids"] = with_device_ids(feeds["input_ids"], input_ids)
             return self.forward(feeds)
         graph, inputs, logits = self.graphs[size]
         inputs.load(step)
         if input_ids is not None:
-            inputs.tensors["input_ids"][:num_seqs].copy_(input_ids)
+            inputs.tensors["input_ids"][: len(input_ids)].copy_(input_ids)
         graph.replay()
         return logits[:num_seqs]
 

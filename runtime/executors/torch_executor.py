@@ -24,6 +24,14 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
+def with_device_ids(ids: torch.Tensor, device_ids: torch.Tensor) -> torch.Tensor:
+    """The step's input ids with their first ``len(device_ids)`` replaced by ``device_ids``
+    (queued in stream order: nothing waits for the step that produces them)."""
+    if len(device_ids) == len(ids):
+        return device_ids.to(ids.device)
+    return torch.cat([device_ids.to(ids.device), ids[len(device_ids) :]])
+
+
 class TorchExecutor:
     name = "torch"
 
@@ -108,11 +116,12 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step (the contract's inputs; ``input_ids``, if given, replaces the step's);
-        returns ``logits[num_seqs, vocab]`` (fp32, CPU). The KV pool is updated in place."""
+        """Run one step (the contract's inputs; ``input_ids``, if given, replaces the first of
+        the step's: see `Executor.execute`); returns ``logits[num_seqs, vocab]`` (fp32, CPU).
+        The KV pool is updated in place."""
         feeds = step.to(self.device).as_dict()
         if input_ids is not None:
-            feeds["input_ids"] = input_ids.to(self.device)
+            feeds["input_ids"] = with_device_ids(feeds["input_ids"], input_ids)
         return self.forward(feeds).cpu()
 
     def forward(self, step: dict[str, torch.Tensor]) -> torch.Tensor:

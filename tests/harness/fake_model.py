@@ -30,11 +30,11 @@ class FakeModel:
         device has them (the host has not appended them yet)."""
         work = batch.to_work()
         if input_ids is not None:
-            assert batch.ahead and all(
+            assert batch.ahead == len(input_ids) and all(
                 w.new_tokens == [0] and w.num_cached == s.num_tokens
-                for s, w in zip(batch.seqs, work)
+                for s, w in zip(batch.seqs[: batch.ahead], work)
             )
-            for w, tok in zip(work, input_ids):
+            for w, tok in zip(work, input_ids):  # the first rows: the device's tokens
                 w.new_tokens = [tok]
         tensors = make_step(work, self.bm.block_size)  # the step contract accepts it
         slots = tensors.slot_mapping.tolist()
@@ -45,12 +45,13 @@ class FakeModel:
                 "a step writes into a shared block"
             )
         out = []
-        for seq, w in zip(batch.seqs, work):
+        for row, (seq, w) in enumerate(zip(batch.seqs, work)):
             for i, tok in enumerate(w.new_tokens):
                 self.kv[self.slot(w.block_table, w.num_cached + i)] = tok
             n = w.num_cached + len(w.new_tokens)
             context = [self.kv[self.slot(w.block_table, p)] for p in range(n)]
-            known = seq.token_ids if input_ids is None else seq.token_ids + w.new_tokens
+            from_device = input_ids is not None and row < batch.ahead
+            known = seq.token_ids + w.new_tokens if from_device else seq.token_ids
             assert context == known[:n], f"{seq.request_id}: the KV cache holds the wrong tokens"
             out.append(next_token(context))
         return out

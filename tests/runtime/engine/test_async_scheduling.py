@@ -1,6 +1,7 @@
 """Async scheduling: step n+1 scheduled and queued before step n's tokens are read
-(`Scheduler.schedule_ahead`, `LLMEngine.step`). The outputs must be exactly those of the plain
-loop, whatever stops, aborts or joins in between; the pool must end as it started."""
+(`Scheduler.schedule_ahead`, `LLMEngine.step`), admitting waiting requests into it. The outputs
+must be exactly those of the plain loop, whatever stops, aborts or joins in between; the pool
+must end as it started."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def run_ahead(sched: Scheduler, model: FakeModel) -> int:
             launched = (batch, model.step(batch))
         ahead = sched.schedule_ahead(launched[0])
         if ahead is not None:
-            queued = (ahead, model.step(ahead, input_ids=launched[1]))
+            rows = ahead.ahead_rows or range(len(launched[1]))
+            queued = (ahead, model.step(ahead, input_ids=[launched[1][i] for i in rows]))
             ahead_steps += 1
         batch, tokens = launched
         tokens = [
@@ -74,7 +76,7 @@ def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks):
     assert results[0][0][1] == "stop" and len(results[0][0][0]) == 7
 
 
-def test_schedule_ahead_only_for_pure_continuations():
+def test_schedule_ahead_continues_every_row_and_admits_who_waits():
     sched, model = make(budget=32)
     long, short = seq("long", 50, max_tokens=5), seq("short", 4, max_tokens=1, start=900)
     sched.add(long)
@@ -93,7 +95,39 @@ def test_schedule_ahead_only_for_pure_continuations():
     )
     sched.postprocess(second, model.step(second))
     sched.add(short)
-    assert sched.schedule_ahead(ahead) is None, "someone waits: the next step admits"
+    # Someone waits: the step after `ahead` decodes long's next token (from the device) and
+    # admits short's prompt (from the host) after it.
+    after = sched.schedule_ahead(ahead)
+    assert after is not None and after.ahead == 1 and after.seqs == [long, short]
+    assert after.num_new_tokens == [1, 4] and after.samples == [True, True]
+    assert not sched.waiting and short.status is SequenceStatus.RUNNING
+    work = after.to_work()
+    assert work[0].new_tokens == [0] and work[1].new_tokens == short.token_ids
+
+
+def test_rows_of_sequences_that_ended_are_left_out_of_the_step_ahead():
+    """A sequence that ended (here: aborted) while a step was queued ahead is not in the step
+    after it, which still goes ahead for the others, each on its own row's device token."""
+    plain_sched, plain_model = make(budget=32)
+    ref = seq("b", 6, max_tokens=6, start=400)
+    plain_sched.add(ref)
+    run(plain_sched, plain_model)
+    sched, model = make(budget=32)
+    a, b = seq("a", 4, max_tokens=6), seq("b", 6, max_tokens=6, start=400)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    first_tokens = model.step(first)
+    second = sched.schedule_ahead(first)  # queued before the first step's tokens are read
+    second_tokens = model.step(second, input_ids=first_tokens)
+    sched.postprocess(first, first_tokens)
+    sched.abort("a")
+    third = sched.schedule_ahead(second)
+    assert third.ahead == 1 and third.ahead_rows == [1] and third.seqs == [b]
+    third_tokens = model.step(third, input_ids=[second_tokens[1]])  # b's KV checked by the fake
+    sched.postprocess(second, second_tokens)
+    sched.postprocess(third, third_tokens)
+    assert b.output_token_ids == ref.output_token_ids[:3]
 
 
 def test_prompts_that_end_in_the_step_go_ahead_together():
@@ -199,3 +233,51 @@ def test_drawn_tokens_go_ahead_and_stay_reproducible(tiny_artifacts):
         runs.append([tokens[i] for i in ids])
         assert (engine.stats().counters.ahead_steps > 0) == pipelined
     assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [10, 4, 6]
+
+
+# On the GPU the admitted rows' ids and the previous step's device ids meet in the CUDA graphs'
+# inputs (a mixed-step graph, then decode graphs).
+@pytest.mark.parametrize("executor", ["torch", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_requests_that_arrive_while_steps_run_are_admitted_ahead(tiny_artifacts, executor):
+    """A request added while a step is queued ahead goes into the step after it (queued ahead
+    too), its prompt from the host and the running rows' tokens from the device; a prompt
+    longer than the step's budget is admitted by a chunk that samples nothing. Seeded or
+    greedy, the tokens are the plain loop's."""
+    art = tiny_artifacts["tiny-llama"]
+    arrivals = {
+        2: ("short arrival", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
+        4: (
+            "a long arrival " * 8,  # more than the 24-token budget: two chunks
+            SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True),
+        ),
+    }
+    runs, admitted_ahead = [], []
+    for pipelined in (False, True):
+        engine = LLMEngine(
+            art,
+            EngineConfig(
+                executor=executor,
+                num_blocks=48,
+                async_scheduling=pipelined,
+                max_num_batched_tokens=24,
+            ),
+        )
+        first = engine.add_request(
+            "running", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        )
+        ids, tokens, steps = [first], {}, 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps += 1
+            if steps in arrivals:
+                ids.append(engine.add_request(*arrivals[steps]))
+            elif pipelined and steps - 1 in arrivals and engine._ahead is not None:
+                queued = engine._ahead.batch
+                admitted_ahead.append(
+                    ids[-1] in [s.request_id for s in queued.seqs[queued.ahead :]]
+                )
+        runs.append([tokens[i] for i in ids])
+        assert engine.block_manager.num_free_blocks == 48
+    assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [16, 8, 6]
+    assert admitted_ahead == [True, True]  # each arrival went into a step queued ahead
