@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtc.artifact import Manifest
+from trtc.runtime.core.process_exit import exit_reason
 from trtc.runtime.core.sampling_params import SamplingParams
 
 MODES = ("inflight", "static")
@@ -320,29 +321,32 @@ def run_server(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
     processes = max(1, min(processes, concurrency, len(requests)))
+    # Every processes-th request, its part of the streams and of the rate, for each process.
+    shares = [
+        LoadShare(
+            url,
+            model,
+            requests[k::processes],
+            concurrency // processes + (k < concurrency % processes),
+            rate / processes if rate else None,
+            seed + k,
+            api_key,
+        )
+        for k in range(processes)
+    ]
     before = _server_metrics(url)
     if processes == 1:
         start, start_cpu = time.perf_counter(), time.process_time()
-        share = LoadShare(url, model, requests, concurrency, rate, seed, api_key)
-        timings = asyncio.run(_run_server(share))
+        timings = asyncio.run(_run_server(shares[0]))
         wall = time.perf_counter() - start
         client_cpu = time.process_time() - start_cpu
-    else:  # every processes-th request, its part of the streams and of the rate
-        shares = [
-            LoadShare(
-                url,
-                model,
-                requests[k::processes],
-                concurrency // processes + (k < concurrency % processes),
-                rate / processes if rate else None,
-                seed + k,
-                api_key,
-            )
-            for k in range(processes)
-        ]
+    else:
         timings, wall, client_cpu = _run_server_processes(shares)
     after = _server_metrics(url)
-    result = summarize("server", timings, wall, None)
+    # Resident memory of the server and of its engine process (when it has one).
+    rss = after.get("process_resident_memory_bytes", 0)
+    rss += after.get("engine_process_resident_memory_bytes", 0)
+    result = summarize("server", timings, wall, rss or None)
     # Cores each side kept busy: a load generator near one core bounds what it can measure,
     # and a server process near one core is bound by its interpreter, not by its GPU.
     result["client_cpu_cores"] = client_cpu / wall
@@ -351,10 +355,6 @@ def run_server(
         name = f"{prefix}process_cpu_seconds_total"
         if name in before and name in after:
             result[f"{side}_cpu_cores"] = (after[name] - before[name]) / wall
-    # Resident memory of the server and of its engine process (when it has one).
-    rss = after.get("process_resident_memory_bytes", 0)
-    rss += after.get("engine_process_resident_memory_bytes", 0)
-    result["peak_rss_mb"] = rss / 2**20 if rss else None
     return result
 
 
@@ -408,7 +408,8 @@ def _next_message(messages, workers):
             dead = next((w for w in workers if w.exitcode not in (None, 0)), None)
             if dead is not None:
                 raise RuntimeError(
-                    f"load generator process {dead.name} died (exit status {dead.exitcode})"
+                    f"load generator process {dead.name} died ({exit_reason(dead.exitcode)}); "
+                    "its error is above"
                 ) from None
 
 

@@ -171,6 +171,7 @@ def _engine_config(
     speculative=None,
     speculative_tokens=4,
     speculative_max_batch=8,
+    defer_graphs=False,
 ):
     from trtc.runtime.engine import EngineConfig
 
@@ -185,6 +186,7 @@ def _engine_config(
         speculative=speculative,
         speculative_tokens=speculative_tokens,
         speculative_max_batch=speculative_max_batch,
+        defer_graphs=defer_graphs,
     )
 
 
@@ -271,7 +273,7 @@ def serve(
     import logging
 
     from trtc import envs
-    from trtc.runtime.engine.engine_process import LOG_FORMAT, EngineProcess
+    from trtc.runtime.engine.engine_process import LOG_FORMAT, EngineProcess, EngineProcessError
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if _torchrun_worker(artifact, executor):
@@ -287,8 +289,8 @@ def serve(
         speculative,
         speculative_tokens,
         speculative_max_batch,
+        defer_graphs=True,  # ready sooner: the engine loop captures most graphs after
     )
-    config.defer_graphs = True  # ready sooner: the engine loop captures them after
     try:
         if envs.TRTC_ENGINE_PROCESS:
             # The engine loads in its own process while this one imports the server.
@@ -301,8 +303,11 @@ def serve(
             from trtc.runtime.serving.server import serve as run_server
 
             engine = LLMEngine(artifact, config)
+    except (TrtcError, ValueError) as e:  # the engine could not start: say why, in a line
+        _fail(e)
+    try:
         run_server(engine, host, port, api_key or envs.TRTC_API_KEY, max_pending)
-    except (TrtcError, ValueError) as e:
+    except EngineProcessError as e:  # its process died while serving
         _fail(e)
 
 

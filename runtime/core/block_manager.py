@@ -45,7 +45,7 @@ class BlockManager:
         # computed and registered. Two flat lists rather than an object a block: a pool of 200k
         # blocks is made in a millisecond instead of 0.2 s of a replica's start.
         self.ref_counts: list[int] = [0] * num_blocks
-        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.hash_of_block: list[bytes | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0
@@ -77,9 +77,9 @@ class BlockManager:
         has logits to sample from."""
         if not self.enable_prefix_caching:
             return []
-        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        num_full = (seq.num_tokens - 1) // self.block_size
         hits = []
-        for h in hashes:
+        for h in self._block_hashes(seq, num_full)[:num_full]:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
@@ -154,14 +154,15 @@ class BlockManager:
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_checked_blocks, num_full):
             block_id, h = seq.block_table[i], hashes[i]
-            if self.block_hashes[block_id] is None and h not in self.hash_to_block:
-                self.block_hashes[block_id] = h
+            if self.hash_of_block[block_id] is None and h not in self.hash_to_block:
+                self.hash_of_block[block_id] = h
                 self.hash_to_block[h] = block_id
         seq.num_checked_blocks = num_full
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        """The chain hashes of ``seq``'s first ``num_full_blocks`` blocks, extending the ones it
-        keeps (tokens are only ever appended, so earlier hashes stay valid)."""
+        """``seq``'s chain hashes, extended to cover at least its first ``num_full_blocks``
+        blocks (tokens are only ever appended, so earlier hashes stay valid); its own list,
+        not a copy, which may hold more."""
         bs = self.block_size
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
@@ -169,7 +170,7 @@ class BlockManager:
             hashes.append(
                 chain_hash(hashes[-1] if i else b"", seq.token_ids[i * bs : (i + 1) * bs])
             )
-        return hashes[:num_full_blocks]
+        return hashes
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -183,23 +184,23 @@ class BlockManager:
         assert self.ref_counts[block_id] >= 0, f"block {block_id} freed more often than held"
         if self.ref_counts[block_id] == 0:
             self.free_queue[block_id] = None
-            if self.block_hashes[block_id] is None:
+            if self.hash_of_block[block_id] is None:
                 self.free_queue.move_to_end(block_id, last=False)
 
     def _take_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
-        h = self.block_hashes[block_id]
+        h = self.hash_of_block[block_id]
         if h is not None:  # evict: its cached prefix is lost
             del self.hash_to_block[h]
-            self.block_hashes[block_id] = None
+            self.hash_of_block[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
 
     def check_invariants(self) -> None:
         """Assert the pool is self-consistent (for tests and debugging)."""
-        for block_id, (refs, h) in enumerate(zip(self.ref_counts, self.block_hashes)):
+        for block_id, (refs, h) in enumerate(zip(self.ref_counts, self.hash_of_block)):
             assert (refs == 0) == (block_id in self.free_queue), block_id
             if h is not None:
                 assert self.hash_to_block.get(h) == block_id, block_id
         for h, block_id in self.hash_to_block.items():
-            assert self.block_hashes[block_id] == h
+            assert self.hash_of_block[block_id] == h

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from trtc.runtime.core.sampling_params import SamplingParams
 from trtc.runtime.engine.engine_loop import AbortRequest, AddRequest, EngineThread, StepReport
+from trtc.runtime.engine.engine_process import EngineProcess
 from trtc.runtime.engine.outputs import EngineStats, RequestError, RequestOutput, StepSummary
 
 if TYPE_CHECKING:
-    from trtc.runtime.engine.engine_process import EngineProcess
     from trtc.runtime.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("trtc.server")
@@ -59,7 +59,7 @@ class AsyncEngine:
     ):
         self.engine = engine
         # An engine process is driven over its socket; an in-process engine from a thread.
-        self._driver = engine if hasattr(engine, "submit") else EngineThread(engine)
+        self._driver = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
         self.max_pending = max_pending  # requests admitted or waiting, at most
         self.observer = observer or EngineObserver()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -16,8 +16,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     long_prefill_threshold: int = 0
     enable_prefix_caching: bool = True
-    # Queue step n+1 on the device before reading step n's tokens (decode steps; see
-    # `LLMEngine.step`). None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
+    # Queue step n+1 on the device before reading step n's tokens (see `LLMEngine.step`).
+    # None: on for the CUDA executor unless TRTC_ASYNC_SCHEDULING=0.
     async_scheduling: bool | None = None
     # Speculative decoding (runtime/speculative): "ngram" or "draft:DIR"; None = off.
     speculative: str | None = None

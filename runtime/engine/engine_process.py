@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -74,7 +74,8 @@ class EngineInfo:
 # An output on the wire: (request_id, new_token_ids, delta_text, finished, finish_reason,
 # num_cached_tokens, arrival_time, first_token_time, finish_time, final), where ``final`` is
 # None until the request finishes, then its (token_ids, text): the final text is the engine's
-# (a matched stop string is cut from it, after deltas may have sent its first characters).
+# when it detokenizes the request (a matched stop string is cut from it, after deltas may have
+# sent its first characters), else empty (this side makes it).
 WireOutput = tuple
 
 
@@ -110,9 +111,7 @@ class EngineProcess:
         self._conn = Connection(ours.detach())
         self._conn.send((str(self.artifact.path), config))
         self._send_lock = threading.Lock()
-        # Per open request: [prompt ids, token ids so far, text so far, its detokenizer here
-        # (None when the engine sends its text)].
-        self._requests: dict[str, list] = {}
+        self._requests: dict[str, _OpenRequest] = {}
         # The reader thread's own decode-only tokenizer: the routes encode with `tokenizer` on
         # the event loop's thread, and a Rust tokenizer is not shared across threads here.
         self._detokenizer = self._stream_backend = None
@@ -175,7 +174,7 @@ class EngineProcess:
                 detokenizer = IncrementalDetokenizer(self._detokenizer, self._stream_backend)
                 params = dataclasses.replace(command.params, detokenize=False)
                 command = dataclasses.replace(command, params=params)
-            self._requests[command.request_id] = [command.prompt_ids, [], "", detokenizer]
+            self._requests[command.request_id] = _OpenRequest(command.prompt_ids, detokenizer)
         try:
             with self._send_lock:
                 self._conn.send(command)
@@ -231,29 +230,38 @@ class EngineProcess:
         the text made here when the engine sends ids only (as the engine's `OutputProcessor`
         makes it: streamed, then the whole output decoded at the end)."""
         request_id, new, delta, finished, reason, cached, arrival, first, finish, final = wire
-        state = self._requests.get(request_id) or [[], [], "", None]
-        prompt, tokens, detokenizer = state[0], state[1], state[3]
+        req = self._requests.get(request_id) or _OpenRequest([])
         if final is not None:
             self._requests.pop(request_id, None)
             token_ids, text = final
-            if detokenizer is not None:
-                if reason != "abort":  # bytes still waiting for a character's rest: as they are
-                    text = self._detokenizer.decode(token_ids, skip_special_tokens=True)
-                else:
-                    tokens.extend(new)
-                    detokenizer.update(tokens)
-                    text = detokenizer.text
-                delta = text[len(state[2]) :]
         else:
-            tokens.extend(new)
-            if detokenizer is not None:
-                delta = detokenizer.update(tokens)
-            state[2] = text = state[2] + delta
-            token_ids = list(tokens)
+            req.token_ids.extend(new)
+            token_ids = list(req.token_ids)
+        if req.detokenizer is not None:
+            if final is None or reason == "abort":
+                req.detokenizer.update(token_ids)
+            else:
+                req.detokenizer.finish(token_ids)
+            text = req.detokenizer.text
+            delta = text[len(req.text) :]
+        elif final is None:
+            text = req.text + delta
+        req.text = text
         return RequestOutput(
-            request_id, prompt, token_ids, text, new, delta, finished, reason, cached,
+            request_id, req.prompt_ids, token_ids, text, new, delta, finished, reason, cached,
             arrival, first, finish,
         )  # fmt: skip
+
+
+@dataclass
+class _OpenRequest:
+    """A request the engine runs, as this side keeps it to rebuild its outputs from deltas:
+    its detokenizer when this side makes its text (None: the engine sends it)."""
+
+    prompt_ids: list[int]
+    detokenizer: IncrementalDetokenizer | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # what was handed out so far
 
 
 class _ServerGone(Exception):

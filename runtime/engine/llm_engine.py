@@ -322,20 +322,20 @@ class LLMEngine:
         sampling = [i for i, s in enumerate(batch.samples) if s]
         seqs = [batch.seqs[i] for i in sampling]
         generators = [self.generators[s.request_id] for s in seqs]
-        if self.async_scheduling and len(sampling) == len(batch):
-            ids = self.sampler.sample_on_device(logits, [s.params for s in seqs], generators)
-            return LaunchedStep(batch, ids, self.readback.start(ids))
-        if self.async_scheduling and batch.ahead:
-            # A step queued ahead with an admitted prompt chunk that does not end its prompt:
-            # still nothing waits for it here. Every row is drawn on the device; the chunk's
-            # row takes the argmax, ignored, its request's generator left untouched.
+        every_row = len(sampling) == len(batch)
+        if self.async_scheduling and (every_row or batch.ahead):
+            # Drawn on the device: nothing waits for the step here. In a step queued ahead, a
+            # prompt chunk that does not end its prompt takes the argmax, ignored (its
+            # request's generator untouched); only a step whose every row samples gives the
+            # next step its ids.
             params = [s.params if ok else GREEDY for s, ok in zip(batch.seqs, batch.samples)]
-            generators = [
-                self.generators[s.request_id] if ok else None
-                for s, ok in zip(batch.seqs, batch.samples)
-            ]
+            if not every_row:
+                generators = [
+                    self.generators[s.request_id] if ok else None
+                    for s, ok in zip(batch.seqs, batch.samples)
+                ]
             ids = self.sampler.sample_on_device(logits, params, generators)
-            return LaunchedStep(batch, None, self.readback.start(ids))
+            return LaunchedStep(batch, ids if every_row else None, self.readback.start(ids))
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
             rows = (

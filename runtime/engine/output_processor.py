@@ -66,6 +66,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         return delta
 
+    def finish(self, ids: list[int]) -> str:
+        """The text once the sequence ended (not by an abort, whose text is what was
+        streamed): its whole output ``ids`` decoded, the bytes still waiting for the rest of
+        a character flushed as they are."""
+        self.text = self._decode(ids)
+        return self.text
+
 
 def stream_backend(tokenizer) -> Tokenizer | None:
     """The Rust tokenizer to stream-decode with, or None where the streamed text could differ
@@ -144,8 +151,7 @@ class OutputProcessor:
             and seq.finish_reason != "abort"
             and (seq.params.detokenize or seq.params.stop)
         ):
-            # Bytes still waiting for the rest of a character are flushed as they are.
-            state.text.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            state.text.finish(seq.output_token_ids)
         text = state.text.text
         delta = text[state.sent_text :]
         output_ids = seq.output_token_ids  # a copy

@@ -15,13 +15,21 @@ from pathlib import Path
 DIRECT_CLASSES = ("TokenizersBackend",)
 
 
-def load_tokenizer(directory: str | Path):
-    directory = Path(directory)
+def _direct_config(directory: Path) -> dict | None:
+    """The ``tokenizer_config.json`` of a tokenizer saved as one of `DIRECT_CLASSES` over a
+    ``tokenizer.json`` (what trtc artifacts hold); None for any other."""
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
-        config = {}
+        return None
     if config.get("tokenizer_class") in DIRECT_CLASSES and (directory / "tokenizer.json").is_file():
+        return config
+    return None
+
+
+def load_tokenizer(directory: str | Path):
+    directory = Path(directory)
+    if _direct_config(directory) is not None:
         try:
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
         except ImportError:  # a transformers without that module: the registry decides
@@ -61,14 +69,10 @@ def load_detokenizer(directory: str | Path):
     its special tokens named in ``tokenizer_config.json`` alone, that does not clean up spaces
     after decoding (its decode is then the library's own); the full tokenizer otherwise."""
     directory = Path(directory)
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    config = _direct_config(directory)
     if (
-        config.get("tokenizer_class") in DIRECT_CLASSES
+        config is not None
         and not config.get("clean_up_tokenization_spaces", False)
-        and (directory / "tokenizer.json").is_file()
         and not (directory / "special_tokens_map.json").exists()
     ):
         from tokenizers import Tokenizer

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from trtc.runtime.core.startup import seconds_since_process_start
 from trtc.runtime.engine.async_engine import AsyncEngine
-from trtc.runtime.engine.engine_process import EngineProcessError
+from trtc.runtime.engine.engine_process import EngineProcess, EngineProcessError
 from trtc.runtime.serving.metrics import EngineMetrics
 from trtc.runtime.serving.protocol import (
     ChatCompletionResponse,
@@ -44,7 +44,6 @@ from trtc.runtime.serving.protocol import (
 from trtc.runtime.serving.runner import respond
 
 if TYPE_CHECKING:
-    from trtc.runtime.engine.engine_process import EngineProcess
     from trtc.runtime.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("trtc.server")
@@ -206,7 +205,8 @@ def create_app(
     """The app over `engine` (an `EngineProcess` that is ready, or an `LLMEngine` stepped on a
     thread here): at most `max_pending` requests admitted or waiting (429 beyond); with
     `api_key`, every route but /health and /metrics asks for it."""
-    engine_metrics = EngineMetrics(engine_pid=getattr(engine, "pid", None))
+    own_process = isinstance(engine, EngineProcess)
+    engine_metrics = EngineMetrics(engine_pid=engine.pid if own_process else None)
     app = FastAPI(title="trtc", lifespan=_lifespan)
     app.state.trtc = ServerState(
         engine, AsyncEngine(engine, max_pending, engine_metrics), engine_metrics, api_key
@@ -236,8 +236,9 @@ def serve(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_timeout
     )
     server = uvicorn.Server(config)
-    if hasattr(engine, "on_death"):  # an engine process that dies stops the server
-        engine.on_death = lambda: setattr(server, "should_exit", True)
+    process = engine if isinstance(engine, EngineProcess) else None
+    if process is not None:  # an engine process that dies stops the server
+        process.on_death = lambda: setattr(server, "should_exit", True)
     server.run()
-    if getattr(engine, "died", None):
-        raise EngineProcessError(f"{engine.died}; the server stopped")
+    if process is not None and process.died:
+        raise EngineProcessError(f"{process.died}; the server stopped")

@@ -41,7 +41,7 @@ class FakeModel:
         assert len(slots) == len(set(slots)), "two tokens of one step write the same KV slot"
         for s in slots:
             block_id = s // self.bm.block_size
-            assert self.bm.ref_counts[block_id] == 1 and self.bm.block_hashes[block_id] is None, (
+            assert self.bm.ref_counts[block_id] == 1 and self.bm.hash_of_block[block_id] is None, (
                 "a step writes into a shared block"
             )
         out = []
