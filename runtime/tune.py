@@ -7,8 +7,9 @@ On the target GPU (in the build farm), with a fresh Triton cache:
    instead of cuBLAS (decode steps replayed from their CUDA graphs, median of many);
 2. with the winners set, run a workload that meets the shapes serving meets (one short
    request alone, then prompts of 1 to 1024 tokens and outputs of 1 to 64 at the artifact's
-   batch limit: prefill, mixed and decode steps of every captured size), so Triton compiles
-   each kernel the server will launch;
+   batch limit: prefill, mixed and decode steps of every captured size), scheduled as a
+   server schedules it, then with every step waiting for its inputs, then with every step
+   eager, so Triton compiles each kernel the server will launch;
 3. write ``tuning/<arch>.json`` (choices, timings, versions) and ``tuning/<arch>.kernels.tar``
    (that Triton cache), then record both in the manifest with their sha256.
 Each file appears whole (written under a temporary name, then renamed) and the manifest is
@@ -146,9 +147,19 @@ def cover(engine, log: Callable[[str], None]) -> dict:
     longest = max(2, min(1024, limits.max_seq_len // 2))
     batch = engine.scheduler.max_num_seqs
     started = time.perf_counter()
-    run_engine(engine, make_requests(1, (8, 8), (8, 8), vocab, 1, special), "inflight", 1)
+    alone = make_requests(1, (8, 8), (8, 8), vocab, 1, special)
     mixed = make_requests(min(2 * batch, 256), (1, longest), (1, 64), vocab, 2, special)
-    run_engine(engine, mixed, "inflight", batch)
+    # As a server schedules them (a step queued ahead of the previous one's tokens, with the
+    # requests that wait admitted into it), then with every step waiting for the previous
+    # one's tokens (`--no-async-scheduling`, and the steps a server does not queue ahead):
+    # the two take different graphs for some steps (a short multi-token step is replayed
+    # from its own graph only when its input ids come from the host).
+    serving = engine.async_scheduling
+    for async_steps in dict.fromkeys((serving, False)):
+        engine.async_scheduling = async_steps
+        run_engine(engine, alone, "inflight", 1)
+        run_engine(engine, mixed, "inflight", batch)
+    engine.async_scheduling = serving
     # The same shapes again with every step eager: what a server runs before its graphs are
     # captured (they come after it is ready), and for steps beyond them. Eager launches of
     # some shapes use kernel variants the graphs' do not (Triton specializes on sizes).
@@ -211,7 +222,7 @@ def tune_artifact(directory: str | Path, log: Callable[[str], None] = print) -> 
         log(f"tuning {directory} for {here.arch} ({here.device}), Triton {here.triton}")
         engine = LLMEngine(
             artifact,
-            EngineConfig(executor="cuda", enable_prefix_caching=False, async_scheduling=False),
+            EngineConfig(executor="cuda", enable_prefix_caching=False),  # steps as served
         )
         try:
             tuning, timings = choose(engine.executor, log)

@@ -399,7 +399,7 @@ class LLMEngine:
         self.counters.ahead_steps += bool(batch.ahead)
         if n_decode and n_prefill:
             self.counters.mixed_steps += 1
-            log.info(
+            log.debug(  # counted in /metrics; a line a step at INFO would flood the log
                 "mixed step: %d prefill + %d decode sequences, %d tokens",
                 n_prefill,
                 n_decode,

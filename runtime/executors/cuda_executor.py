@@ -26,6 +26,7 @@ a larger one or runs eagerly (`trtc tune` ships the kernels of the eager launche
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -179,6 +180,9 @@ class CudaExecutor(TorchExecutor):
         # one whose warm-up has run, to be captured next (`capture_deferred`).
         self._to_capture: list[tuple[str, int]] = []
         self._warmed: tuple | None = None
+        # Host seconds of those pieces: in all, and the longest (what a request arriving
+        # meanwhile may wait), reported when the last is done.
+        self._pieces_s, self._longest_piece_s = 0.0, 0.0
         with self.startup.phase(
             "kernels",
             "loaded from the artifact's tuning" if self.tuning else "compiled (not tuned here)",
@@ -308,21 +312,28 @@ class CudaExecutor(TorchExecutor):
         then its capture (each a few milliseconds of host time, so that a step that comes
         meanwhile waits for one piece at most); True while some are left. Until a step's graph
         is there, the step runs in the smallest captured graph that holds it, or eagerly."""
+        if self._warmed is None and not self._to_capture:
+            return False
+        started = time.perf_counter()
         if self._warmed is not None:
             self._record_one(*self._warmed)
             self._warmed = None
-        elif self._to_capture:
+        else:
             kind, size = self._to_capture.pop(0)
             inputs = self._graph_inputs(kind, size)
             self._warm(inputs.tensors)
             self._warmed = (kind, size, inputs)
-        else:
-            return False
+        piece = time.perf_counter() - started
+        self._pieces_s += piece
+        self._longest_piece_s = max(self._longest_piece_s, piece)
         if self._warmed is None and not self._to_capture:
             log.info(
-                "graphs: decode batches %s, prefill / mixed-step tokens %s",
+                "graphs: decode batches %s, prefill / mixed-step tokens %s (after ready: "
+                "%.2f s in pieces, the longest %.1f ms)",
                 self._graph_batches,
                 self._mixed_captured,
+                self._pieces_s,
+                1000 * self._longest_piece_s,
             )
             return False
         return True

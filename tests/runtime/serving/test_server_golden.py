@@ -5,7 +5,6 @@ caching, a KV pool too small for everyone."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 import threading
 import time
 
@@ -89,7 +88,6 @@ def test_short_request_joins_running_batch_and_finishes_first(client, model_name
     t.join()
     assert done["short"] < done["long"], "the short request waited for the long one"
     assert server.metrics()['trtc_steps_total{kind="mixed"}'] > before
-    assert re.search(r"mixed step: \d+ prefill \+ \d+ decode sequences", server.log())
 
 
 def test_shared_prefix_reuses_blocks(client, model_name, reference, server):
