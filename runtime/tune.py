@@ -147,6 +147,9 @@ def cover(engine, log: Callable[[str], None]) -> dict:
     longest = max(2, min(1024, limits.max_seq_len // 2))
     batch = engine.scheduler.max_num_seqs
     started = time.perf_counter()
+    # A server's own warm-up steps, now with the chosen settings (`choose` ran them with the
+    # defaults; programmatic dependent launch is a compile-time flag of the kernels).
+    engine.executor.warm_up()
     alone = make_requests(1, (8, 8), (8, 8), vocab, 1, special)
     mixed = make_requests(min(2 * batch, 256), (1, longest), (1, 64), vocab, 2, special)
     # As a server schedules them (a step queued ahead of the previous one's tokens, with the
@@ -220,6 +223,9 @@ def tune_artifact(directory: str | Path, log: Callable[[str], None] = print) -> 
         cache.mkdir()
         use_triton_cache(cache)  # only what this tune compiles lands in the archive
         log(f"tuning {directory} for {here.arch} ({here.device}), Triton {here.triton}")
+        # A tune starts from nothing: loaded, the artifact's current tuning would point Triton
+        # at its own kernels, and nothing would be compiled into the new archive.
+        artifact.manifest = artifact.manifest.model_copy(update={"tuning": {}})
         engine = LLMEngine(
             artifact,
             EngineConfig(executor="cuda", enable_prefix_caching=False),  # steps as served

@@ -191,6 +191,7 @@ def install_kernels(archive: Path, sha256: str) -> Path:
     if not target.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        staging.mkdir(exist_ok=True)  # (an archive of no kernels unpacks to an empty cache)
         with tarfile.open(archive) as tar:
             tar.extractall(staging, filter="data")  # no links out, no devices, no absolute paths
         rebase_groups(staging, target)

@@ -83,3 +83,25 @@ def test_tuned_artifact_serves_without_compiling(tiny_artifacts, tmp_path, monke
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert f"tuned for {other_arch}, not for this GPU" in elsewhere.stderr
     assert elsewhere.stdout == plain.stdout
+
+
+def test_tuning_again_ships_the_kernels_again(tiny_artifacts, tmp_path, monkeypatch):
+    """A tuned artifact tuned again (its kernels unpacked in the cache by a start in between)
+    ships its kernels again: the tune must not load the artifact's current tuning, which
+    would point Triton at the shipped kernels and leave the new archive empty."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifacts["tiny-llama"], art)
+    env = {"TRTC_CACHE_DIR": str(tmp_path / "cache"), "TRITON_CACHE_DIR": str(tmp_path / "t")}
+    monkeypatch.setenv("TRTC_CACHE_DIR", env["TRTC_CACHE_DIR"])  # kernel_cache() below
+    generate = ("generate", str(art), "Hello", "-n", "4", "--executor", "cuda")
+    for _ in range(2):
+        r = trtc("tune", str(art), env=env)
+        assert r.returncode == 0, r.stderr
+        start = trtc(*generate, env=env)  # unpacks the kernels
+        assert start.returncode == 0, start.stderr
+    m = read_manifest(art)
+    ((_, record),) = m.tuning.items()
+    with tarfile.open(art / record.kernels) as tar:
+        assert any(t.name.endswith(".cubin") for t in tar.getmembers())
+    cache = kernel_cache(m.files[record.kernels].sha256)
+    assert compiled_beyond(cache, art / record.kernels) == [], "a tuned start compiled kernels"

@@ -176,3 +176,19 @@ def test_unpacked_kernels_are_found_by_tritons_cache(tmp_path, monkeypatch):
         assert all(Path(path).parent == target / "KEY" for path in group.values())
     finally:
         triton.knobs.cache.dir = None
+
+
+def test_an_archive_of_no_kernels_unpacks_to_an_empty_cache(tmp_path, monkeypatch):
+    """An archive with no kernels (nothing was compiled into it) still installs: Triton then
+    compiles into an empty cache of its own, instead of the load failing on a missing folder."""
+    import triton
+
+    monkeypatch.setenv("TRTC_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    pack(tmp_path / "empty", tmp_path / "kernels.tar")
+    try:
+        target = install_kernels(tmp_path / "kernels.tar", "cd" * 32)
+        assert target.is_dir() and not any(target.iterdir())
+        assert triton.knobs.cache.dir == str(target)
+    finally:
+        triton.knobs.cache.dir = None
