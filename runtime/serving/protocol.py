@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic_core import to_json
 
 from trtc.runtime.core.sampling_params import SamplingParams
 from trtc.runtime.engine.outputs import RequestOutput
@@ -370,6 +372,12 @@ class HealthFailure(BaseModel):
 # --- writing a request's outputs -----------------------------------------------------------
 
 
+# Stands for a chunk's text while its JSON frame is rendered (`ResponseFormat.chunk_json`):
+# private-use characters, which JSON leaves as they are.
+_TEXT_MARK = "\ue000trtc-text\ue000"
+_TEXT_MARK_JSON = to_json(_TEXT_MARK).decode()
+
+
 class ResponseFormat:
     """Writes one request's outputs in its endpoint's shape: the whole response, or one chunk per
     output, opened by `opening()` and closed by `usage_chunk` when asked for."""
@@ -384,6 +392,23 @@ class ResponseFormat:
             "model": model,
         }
         self.token_ids = token_ids  # the ``return_token_ids`` extension
+        self._text_frame: tuple[str, str] | None = None  # see chunk_json
+
+    def chunk_json(self, out: RequestOutput) -> str:
+        """The JSON of ``chunk(out)``. The chunks of a running request that carry text and no token
+        ids (a streaming server writes one a token a stream: most of what it writes) differ
+        only in their text, so their JSON around the text is rendered once, by the models, and
+        each chunk is that frame around its text's JSON: the same bytes, without building and
+        serializing the models each time (7-12 us a chunk on a development CPU, about 1 now)."""
+        if out.finished or self.token_ids or not out.delta_text:
+            return self.chunk(out).model_dump_json()
+        if self._text_frame is None:
+            marked = self.chunk(replace(out, delta_text=_TEXT_MARK)).model_dump_json()
+            before, mark, after = marked.partition(_TEXT_MARK_JSON)
+            assert mark and _TEXT_MARK_JSON not in after, marked
+            self._text_frame = (before, after)
+        before, after = self._text_frame
+        return before + to_json(out.delta_text).decode() + after
 
     def ids(self, token_ids: list[int]) -> list[int] | None:
         """What a choice carries as ``token_ids``: these when asked for, else nothing."""

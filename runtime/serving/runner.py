@@ -85,10 +85,10 @@ async def _events(
     try:
         for chunk in fmt.opening():
             yield sse(chunk)
-        yield sse(fmt.chunk(out))
+        yield sse(fmt.chunk_json(out))
         while not out.finished:
             out = await stream.__anext__()
-            yield sse(fmt.chunk(out))
+            yield sse(fmt.chunk_json(out))
         if include_usage:
             yield sse(fmt.usage_chunk(out))
         yield sse("[DONE]")
