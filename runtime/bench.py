@@ -336,10 +336,8 @@ def run_server(
     ]
     before = _server_metrics(url)
     if processes == 1:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        timings = asyncio.run(_run_server(shares[0]))
-        wall = time.perf_counter() - start
-        client_cpu = time.process_time() - start_cpu
+        timings, client_cpu, start, end = _timed_share(shares[0])
+        wall = end - start
     else:
         timings, wall, client_cpu = _run_server_processes(shares)
     after = _server_metrics(url)
@@ -420,13 +418,19 @@ def _server_share(share: LoadShare, go, messages) -> None:
 
     messages.put("ready")
     go.wait()
-    start_cpu = time.process_time()
     try:
-        timings = asyncio.run(_run_server(share))
+        timings, cpu, _, end = _timed_share(share)
     except Exception as e:  # (sent as text: not every exception pickles)
         messages.put((f"{type(e).__name__}: {e}", 0.0, time.perf_counter()))
         return
-    messages.put((timings, time.process_time() - start_cpu, time.perf_counter()))
+    messages.put((timings, cpu, end))
+
+
+def _timed_share(share: LoadShare) -> tuple[list[RequestTiming], float, float, float]:
+    """`_run_server` of ``share``: its timings, the CPU seconds it took, its start and end."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    timings = asyncio.run(_run_server(share))
+    return timings, time.process_time() - start_cpu, start, time.perf_counter()
 
 
 def _server_metrics(url: str) -> dict[str, float]:

@@ -223,12 +223,9 @@ def tune_artifact(directory: str | Path, log: Callable[[str], None] = print) -> 
         cache.mkdir()
         use_triton_cache(cache)  # only what this tune compiles lands in the archive
         log(f"tuning {directory} for {here.arch} ({here.device}), Triton {here.triton}")
-        # A tune starts from nothing: loaded, the artifact's current tuning would point Triton
-        # at its own kernels, and nothing would be compiled into the new archive.
-        artifact.manifest = artifact.manifest.model_copy(update={"tuning": {}})
         engine = LLMEngine(
-            artifact,
-            EngineConfig(executor="cuda", enable_prefix_caching=False),  # steps as served
+            artifact,  # steps scheduled as served; nothing of an earlier tuning loaded
+            EngineConfig(executor="cuda", enable_prefix_caching=False, use_tuning=False),
         )
         try:
             tuning, timings = choose(engine.executor, log)

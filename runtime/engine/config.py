@@ -30,6 +30,10 @@ class EngineConfig:
     # serving loop), not before: a replica is ready sooner, and a step that comes before its
     # graph runs in a larger one or eagerly. `trtc serve` sets it.
     defer_graphs: bool = False
+    # Load the artifact's tuning for this GPU (its kernels and choices; `runtime/tune.py`).
+    # `trtc tune` turns it off: a tune compiles from nothing (loaded, an earlier tuning would
+    # point Triton at its shipped kernels, and nothing would be compiled into the new archive).
+    use_tuning: bool = True
     # Prompts come as ids (a server's engine process: the server encodes them): load only what
     # decoding needs (`load_detokenizer`), not transformers. The engine process sets it.
     decode_only_tokenizer: bool = False

@@ -57,11 +57,11 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 class LLMEngine:
     def __init__(self, artifact: str | Path | Artifact, config: EngineConfig | None = None):
         global _first_engine
+        first, _first_engine = _first_engine, False
         started = time.perf_counter()
         self.startup = StartupPhases()
-        if _first_engine and (before := seconds_since_process_start()) is not None:
+        if first and (before := seconds_since_process_start()) is not None:
             self.startup.record("interpreter and imports", before)
-        _first_engine = False
         before_engine = sum(self.startup.seconds.values())
         self.config = config = config or EngineConfig()
         self.artifact = artifact if isinstance(artifact, Artifact) else Artifact.open(artifact)
@@ -78,7 +78,8 @@ class LLMEngine:
         tokenizer.shutdown(wait=False)
         with self.startup.phase("interpreter and imports"):
             from trtc.runtime.executors import torch_executor  # noqa: F401  (onnx, torch ops)
-        warn_if_uncompiled(("torch", "onnx"))
+        if first:  # (what a process imports is its own: said once)
+            warn_if_uncompiled(("torch", "onnx"))
         if config.speculative is not None:  # a draft model checks it has the same tokenizer
             self.tokenizer = pending_tokenizer.result()
         on_gpu = config.executor == "cuda" or (
@@ -92,7 +93,12 @@ class LLMEngine:
         # A draft model's executor first: on a GPU the target's pool takes what it leaves.
         self.proposer = self._make_proposer(config)
         self.executor = create_executor(
-            config.executor, self.artifact, num_blocks, config.device, config.defer_graphs
+            config.executor,
+            self.artifact,
+            num_blocks,
+            config.device,
+            defer_graphs=config.defer_graphs,
+            use_tuning=config.use_tuning,
         )
         if getattr(self.executor, "startup", None) is not None:
             self.startup.update(self.executor.startup)
@@ -319,28 +325,23 @@ class LLMEngine:
         if batch.speculative:
             tokens = self._verify(batch, logits)
             return LaunchedStep(batch, None, lambda: tokens)
-        sampling = [i for i, s in enumerate(batch.samples) if s]
-        seqs = [batch.seqs[i] for i in sampling]
-        generators = [self.generators[s.request_id] for s in seqs]
-        every_row = len(sampling) == len(batch)
+        every_row = all(batch.samples)
         if self.async_scheduling and (every_row or batch.ahead):
             # Drawn on the device: nothing waits for the step here. In a step queued ahead, a
             # prompt chunk that does not end its prompt takes the argmax, ignored (its
             # request's generator untouched); only a step whose every row samples gives the
             # next step its ids.
-            params = [s.params if ok else GREEDY for s, ok in zip(batch.seqs, batch.samples)]
-            if not every_row:
-                generators = [
-                    self.generators[s.request_id] if ok else None
-                    for s, ok in zip(batch.seqs, batch.samples)
-                ]
+            rows = list(zip(batch.seqs, batch.samples))
+            params = [s.params if ok else GREEDY for s, ok in rows]
+            generators = [self.generators[s.request_id] if ok else None for s, ok in rows]
             ids = self.sampler.sample_on_device(logits, params, generators)
             return LaunchedStep(batch, ids if every_row else None, self.readback.start(ids))
+        sampling = [i for i, s in enumerate(batch.samples) if s]
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
-            rows = (
-                logits if len(sampling) == len(batch) else logits[sampling]
-            )  # no gather when all sample
+            seqs = [batch.seqs[i] for i in sampling]
+            rows = logits if every_row else logits[sampling]  # no gather when all sample
+            generators = [self.generators[s.request_id] for s in seqs]
             picked = self.sampler.sample(rows, [s.params for s in seqs], generators)
             for i, t in zip(sampling, picked):
                 tokens[i] = t

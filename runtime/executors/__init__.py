@@ -19,11 +19,12 @@ def create_executor(
     num_blocks: int | None,
     device: str = "cpu",
     defer_graphs: bool = False,
+    use_tuning: bool = True,
 ) -> Executor:
     """``auto`` picks the TensorRT executor when the artifact has an engine this host can run,
     else CUDA where a GPU is present, else the torch executor on the CPU; it says why it passed
     over the engines. A forced ``tensorrt`` that cannot run is an error with the reason.
-    ``defer_graphs``: see `EngineConfig.defer_graphs` (the CUDA executor's)."""
+    ``defer_graphs``, ``use_tuning``: see `EngineConfig` (the CUDA executor's)."""
     import torch
 
     from trtc.engines import choose_engine
@@ -57,7 +58,7 @@ def create_executor(
             )
         from trtc.runtime.executors.cuda_executor import CudaExecutor
 
-        return CudaExecutor(artifact, num_blocks, defer_graphs=defer_graphs)
+        return CudaExecutor(artifact, num_blocks, use_tuning=use_tuning, defer_graphs=defer_graphs)
     from trtc.runtime.executors.torch_executor import TorchExecutor
 
     return TorchExecutor(artifact, num_blocks or 1024, device)
