@@ -167,7 +167,7 @@ def main() -> int:
     results["decode_fp8_cache"] = {"us": us, "fraction_of_copy_bw": fp8_fraction}
     print(f"best on an FP8 cache (half the bytes): {us:.1f} us, {fp8_fraction * 100:.1f}%")
     results["decode"] = rows
-    auto = triton_kernels.plan(batch, batch, H, KV)
+    auto = triton_kernels.plan(batch, batch, H, KV, D)
     us = graph_us(partial(attention, *step, write_kv=False))
     results["decode_default"] = {
         "plan": auto,

@@ -329,7 +329,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms: int = 132) -> dict:
+def plan(
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 64,
+    sms: int = 132,
+) -> dict:
     """Launch shape from tensor shapes only. Decode-only steps (one token per sequence) get
     single-token tiles and a context split large enough to fill the GPU."""
     group = num_heads // num_kv_heads
@@ -343,7 +350,19 @@ def plan(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, sms:
         # to combine and shorter loops (docs/gpu-kernels.md, "PagedAttention").
         while tiles * num_kv_heads * splits < 4 * sms and splits < 16:
             splits *= 2
-    return {"tile_q": tile_q, "tile_m": tile_m, "tiles": tiles, "splits": splits, "decode": decode}
+    # Warps: the decode launch keeps the 2 it was timed with; a prefill / mixed tile (64 query
+    # rows and more) takes one warp per 1,024 of its accumulator's elements, 4 to 8, so that
+    # its accumulator, query and K/V tiles stay in registers: with 2 warps it spilled 1-2 KB a
+    # thread on sm_90 (docs/gpu-kernels.md, "PagedAttention").
+    warps = 2 if decode else min(8, max(4, tile_m * _pow2(head_dim) // 1024))
+    return {
+        "tile_q": tile_q,
+        "tile_m": tile_m,
+        "tiles": tiles,
+        "splits": splits,
+        "decode": decode,
+        "num_warps": warps,
+    }
 
 
 def paged_attention(
@@ -358,7 +377,7 @@ def paged_attention(
     *,
     tile_k: int = 64,
     num_splits: int | None = None,
-    num_warps: int = 2,
+    num_warps: int | None = None,
     num_stages: int = 3,
     heads_first: bool = True,
     write_kv: bool = True,
@@ -397,7 +416,7 @@ def paged_attention(
             FP8=fp8,
             **launch,
         )
-    p = plan(num_tokens, num_seqs, num_heads, num_kv_heads)
+    p = plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim)
     splits = num_splits or p["splits"]
     out = torch.empty_like(query)
     d_p2 = _pow2(head_dim)
@@ -450,7 +469,7 @@ def paged_attention(
         DECODE=p["decode"],
         HEADS_FIRST=heads_first,
         MERGE_LAST=merge_last,
-        num_warps=num_warps,
+        num_warps=num_warps or p["num_warps"],
         num_stages=num_stages,
         **launch,
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from harness.int4_layers import DEVICE, make_layer
+from harness.sm90_compile import run_probe
 from trtc.plugins.int4_gemm.reference import dequantize, unpack_int4
 
 fragment_kernel = pytest.importorskip(
@@ -226,10 +227,6 @@ def test_fragment_kernel_plans_on_gpu(plan):
 
 
 COMPILE_FOR_SM90 = r'''
-import re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from trtc.plugins.int4_gemm import fragment_kernel as fk
 
 
@@ -248,7 +245,7 @@ def compile_for_sm90(tokens, n, k, bf16):
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
     src = triton.compiler.ASTSource(fn=fk._int4_fragment, signature=sig, constexprs=consts,
                                     attrs=attrs)
-    return plan, triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    return plan, triton.compile(src, target=SM90,
                                 options={"num_warps": plan.tiles * plan.warps_k}).asm
 '''
 
@@ -277,30 +274,10 @@ assert fk.fragment_supports(4096, longest, 128) is None
 for tokens, n, k, bf16 in [(1, 4096, longest, False), (16, 4096, longest, False),
                            (8, 4096, longest, True), (16, 11008, 4096, True)]:
     plan, asm = compile_for_sm90(tokens, n, k, bf16)
-    with tempfile.TemporaryDirectory() as d:
-        open(f"{d}/k.ptx", "w").write(asm["ptx"])
-        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
-                                 f"{d}/k.cubin"], capture_output=True, text=True, check=True).stderr
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    print(tokens, k, plan.warps_k, re.search(r"Used (\d+) registers", report).group(1),
-          " ".join(a + "/" + b for a, b in spills))
+    registers, stores, loads = ptxas_report(asm["ptx"])
+    print(tokens, k, plan.warps_k, registers, f"{stores}/{loads}")
 """
 )
-
-
-def run_probe(probe: str) -> list[str]:
-    """A probe's output lines, run outside Triton's interpreter (Triton ships ptxas: the PTX
-    must also assemble)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.splitlines()
 
 
 def test_fragment_asm_sees_one_element_per_thread_in_order():

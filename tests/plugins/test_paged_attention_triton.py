@@ -233,3 +233,39 @@ def test_gpu_decode_merge_in_a_cuda_graph():
         torch.cuda.synchronize()
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     assert arrival_counters.all_zero()
+
+
+PREFILL_SPILL_PROBE = r"""
+from trtc.plugins.paged_attention import triton_kernels as tk
+
+# (heads, KV heads, head dim): the 1.1B and 8B geometries, multi-query, and SmolLM2's.
+for heads, kv_heads, head_dim in [(32, 4, 64), (32, 8, 128), (32, 1, 128), (9, 3, 64)]:
+    p = tk.plan(300, 3, heads, kv_heads, head_dim)  # a prefill / mixed step
+    consts = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, GROUP=heads // kv_heads,
+                  HEAD_DIM=head_dim, HEAD_DIM_P2=tk._pow2(head_dim), BLOCK_SIZE=16,
+                  TILE_Q=p["tile_q"], TILE_M=p["tile_m"], TILE_K=64, NUM_SPLITS=p["splits"],
+                  DOT_PRECISION="tf32", DECODE=p["decode"], HEADS_FIRST=True, MERGE_LAST=False,
+                  PDL=True)
+    sig = {"q_ptr": "*fp16", "cache_ptr": "*fp16", "out_ptr": "*fp16", "part_acc_ptr": "*fp32",
+           "part_ml_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
+           "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "num_seqs": "i32",
+           "max_blocks": "i32", "cache_kv_stride": "i64", "scale": "fp32", "v_scale": "fp32",
+           "sliding_window": "i32", **{name: "constexpr" for name in consts}}
+    src = triton.compiler.ASTSource(fn=tk._paged_attention, signature=sig, constexprs=consts)
+    options = {"num_warps": p["num_warps"], "num_stages": 3}
+    asm = triton.compile(src, target=SM90, options=options).asm
+    registers, stores, loads = ptxas_report(asm["ptx"])
+    print(heads, kv_heads, head_dim, p["tile_m"], p["num_warps"], registers, f"{stores}/{loads}")
+"""
+
+
+def test_prefill_launch_holds_its_tiles_in_registers():
+    """A prefill / mixed step's launch (`plan`: 64-row query tiles) compiled for sm_90 spills
+    nothing (ptxas -v): at the decode launch's 2 warps it spilled 1-2 KB a thread, in the loop
+    over the context (docs/gpu-kernels.md, "PagedAttention")."""
+    from harness.sm90_compile import run_probe
+
+    lines = run_probe(PREFILL_SPILL_PROBE)
+    assert len(lines) == 4, lines
+    for line in lines:
+        assert line.split()[-1] == "0/0", line  # spill stores / loads, bytes
