@@ -106,8 +106,9 @@ def _upper_cholesky_inverse(damped: Callable[[float], torch.Tensor], damp: float
 
 
 def _prepare(weight: torch.Tensor, hessian: torch.Tensor, act_order: bool, percdamp: float):
-    """Dead columns, column order, damping: ``(w fp32 [N, K], perm, upper Cholesky of H^-1)``
-    with w and the factor in processing order. ``hessian`` is left as it is."""
+    """Dead columns, column order, damping: ``(wt fp32 [K, N], perm, upper Cholesky of H^-1)``
+    with the weight transposed (a column a row, see `_error_feedback`), it and the factor in
+    processing order. ``hessian`` is left as it is."""
     w = weight.detach().float().clone()
     diag = torch.diag(hessian).float()
     dead = diag == 0
@@ -130,29 +131,32 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor, act_order: bool, percd
         return h
 
     damp = percdamp * torch.mean(diag[perm]).item()
-    return w, perm, _upper_cholesky_inverse(damped, damp)
+    return w.T.contiguous(), perm, _upper_cholesky_inverse(damped, damp)
 
 
 def _error_feedback(
-    w: torch.Tensor,
+    wt: torch.Tensor,
     hinv: torch.Tensor,
     block_size: int,
     round_column: Callable[[int, int, torch.Tensor], torch.Tensor],
 ) -> None:
-    """The GPTQ loop over columns (processing order). ``round_column(col, i, w_blk)`` returns
-    the dequantized column ``col`` (= ``w_blk[:, i]`` rounded) and records what it chose;
-    its rounding error is spread over the later columns through ``hinv``."""
-    k = w.shape[1]
+    """The GPTQ loop over columns (processing order), on the weight transposed: ``wt [K, N]``
+    holds column ``j`` of the weight as row ``j``, so that each of the loop's steps reads and
+    updates contiguous rows (about twice as fast on a CPU as strided columns, the same
+    arithmetic). ``round_column(col, i, blk)`` returns the dequantized column ``col`` (=
+    ``blk[i]`` rounded, ``blk`` the block's rows) and records what it chose; its rounding
+    error is spread over the later columns through ``hinv``."""
+    k = wt.shape[0]
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
-        w_blk = w[:, b0:b1].clone()
-        err_blk = torch.zeros_like(w_blk)
+        blk = wt[b0:b1].clone()
+        err_blk = torch.zeros_like(blk)
         hinv_blk = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
-            err = (w_blk[:, i] - round_column(b0 + i, i, w_blk)) / hinv_blk[i, i]
-            w_blk[:, i:] -= err[:, None] * hinv_blk[i, i:][None, :]
-            err_blk[:, i] = err
-        w[:, b1:] -= err_blk @ hinv[b0:b1, b1:]
+            err = (blk[i] - round_column(b0 + i, i, blk)) / hinv_blk[i, i]
+            blk[i:] -= hinv_blk[i, i:, None] * err[None, :]
+            err_blk[i] = err
+        wt[b1:] -= hinv[b0:b1, b1:].T @ err_blk
 
 
 @torch.no_grad()
@@ -194,23 +198,23 @@ def gptq_quantize(
             w0.reshape(n, num_groups, group_size), shrink_steps, column_weights=h_diag
         )
         del w0
-    w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
+    wt, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
     group_of = (perm // group_size).tolist()  # group of each processed column
-    q = torch.zeros(n, k, device=weight.device)
+    qt = torch.zeros(k, n, device=weight.device)  # transposed, as wt
 
-    def round_column(col: int, i: int, w_blk: torch.Tensor) -> torch.Tensor:
+    def round_column(col: int, i: int, blk: torch.Tensor) -> torch.Tensor:
         g = group_of[col]
         if not act_order and col % group_size == 0:
             # In plain order a group starts here and lies inside this block (g | block size).
-            cols = w_blk[:, i : i + group_size]  # fewer in a shorter last group
+            cols = blk[i : i + group_size].T  # fewer in a shorter last group
             scales[:, g], zeros[:, g] = rtn.group_params(
                 cols, shrink_steps, column_weights=h_diag[g, : cols.shape[1]]
             )
-        q[:, col] = rtn.quantize_with(w_blk[:, i], scales[:, g], zeros[:, g])
-        return (q[:, col] - zeros[:, g]) * scales[:, g]
+        qt[col] = rtn.quantize_with(blk[i], scales[:, g], zeros[:, g])
+        return (qt[col] - zeros[:, g]) * scales[:, g]
 
-    _error_feedback(w, hinv, block_size, round_column)
-    q = q[:, torch.argsort(perm)]
+    _error_feedback(wt, hinv, block_size, round_column)
+    q = qt.T[:, torch.argsort(perm)]
     return q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
@@ -235,15 +239,16 @@ def gptq_fp8(
     from trtc.plugins.fp8_gemm.reference import to_fp8
 
     _, scale = quantize_weight_fp8(weight)
-    w, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
-    out = torch.zeros(w.shape, device=w.device)  # E4M3 values, held in fp32 (exact) while filling
+    wt, perm, hinv = _prepare(weight, hessian, act_order, percdamp)
+    # E4M3 values, held in fp32 (exact) while filling; transposed, as wt
+    out = torch.zeros(wt.shape, device=wt.device)
 
-    def round_column(col: int, i: int, w_blk: torch.Tensor) -> torch.Tensor:
-        out[:, col] = to_fp8(w_blk[:, i] / scale).float()
-        return out[:, col] * scale
+    def round_column(col: int, i: int, blk: torch.Tensor) -> torch.Tensor:
+        out[col] = to_fp8(blk[i] / scale).float()
+        return out[col] * scale
 
-    _error_feedback(w, hinv, block_size, round_column)
-    return out[:, torch.argsort(perm)].to(torch.float8_e4m3fn), scale
+    _error_feedback(wt, hinv, block_size, round_column)
+    return out.T[:, torch.argsort(perm)].to(torch.float8_e4m3fn), scale
 
 
 @torch.no_grad()
