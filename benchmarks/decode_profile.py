@@ -3,11 +3,14 @@
 times (torch.profiler on an eager run of the step; a graph replays the same kernels).
 
     python3 benchmarks/decode_profile.py ARTIFACT [--batch 1,64] [--context 256] [--unfused]
-        [--no-int4-fragments] [--prefill 512] [--ab] [--json FILE]
+        [--no-int4-fragments] [--prefill 512] [--chunk 384 [--chunk-context 0]] [--ab]
+        [--json FILE]
 
 It also prints the weight bytes the executor holds on the device (after its load-time
 rewrites) and, with ``--prefill N``, the time of one eager prefill step of ``N`` tokens (one
-sequence, nothing cached).
+sequence, nothing cached); with ``--chunk N``, a mixed step of each batch's decode rows and one
+prompt chunk of ``N`` tokens (``--chunk-context`` cached before it), as the engine runs it
+(``execute``: from the mixed-step graphs where one holds it) and its kernels.
 
 ``--ab`` re-captures the graphs with programmatic dependent launch and the Triton GEMV each
 turned off and on (`trtc.plugins.kernels.pdl`, `trtc.plugins.kernels.gemv`) and times every
@@ -36,18 +39,28 @@ from timing import copy_bandwidth, median_ms
 COPY_GIB = 2.0  # the copy that measures the bandwidth: the model holds the rest of the memory
 
 
-def decode_step(executor: CudaExecutor, batch: int, context: int) -> StepInputs:
-    """``batch`` sequences of ``context`` cached tokens, one new token each, on disjoint blocks."""
+def decode_step(
+    executor: CudaExecutor, batch: int, context: int, chunk: int = 0, chunk_context: int = 0
+) -> StepInputs:
+    """``batch`` sequences of ``context`` cached tokens, one new token each, on disjoint blocks;
+    with ``chunk``, then one sequence with ``chunk`` new tokens after ``chunk_context`` cached
+    (a mixed step)."""
     bs = executor.block_size
     per_seq = -(-(context + 1) // bs)
-    if batch * per_seq > executor.num_blocks:
+    chunk_blocks = -(-(chunk_context + chunk) // bs) if chunk else 0
+    if batch * per_seq + chunk_blocks > executor.num_blocks:
         raise SystemExit(
             f"the KV pool ({executor.num_blocks} blocks) is too small for {batch} x {context}"
+            + (f" and a chunk of {chunk} after {chunk_context}" if chunk else "")
         )
     work = [
         SequenceWork([1 + b], context, list(range(b * per_seq, (b + 1) * per_seq)))
         for b in range(batch)
     ]
+    if chunk:
+        first = batch * per_seq
+        ids = [1 + t % 1000 for t in range(chunk)]
+        work.append(SequenceWork(ids, chunk_context, list(range(first, first + chunk_blocks))))
     return make_step(work, bs)
 
 
@@ -139,6 +152,19 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="also time one eager prefill step of this many tokens",
     )
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="also time each batch's decode rows with one prompt chunk of this many tokens (a "
+        "mixed step)",
+    )
+    p.add_argument(
+        "--chunk-context",
+        type=int,
+        default=0,
+        help="cached tokens before the --chunk prompt chunk (default 0)",
+    )
     p.add_argument("--json", default=None, help="write the measurements here (JSON)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -208,11 +234,36 @@ def main(argv: list[str] | None = None) -> None:
                 "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]],
             }
         )
+        if args.chunk:
+            report["steps"][-1]["chunk"] = mixed_step(ex, batch, args)
     if args.ab:
         report["ab"] = ab_graph_times(ex, batches, args.context)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def mixed_step(ex: CudaExecutor, batch: int, args) -> dict:
+    """The decode step of ``batch`` with one prompt chunk (``--chunk``) added: its time as the
+    engine runs it (`execute`, host work and a mixed-step graph where one holds it; no token
+    ids copied back) and its kernels (eager)."""
+    step = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
+    ms = median_ms(lambda: ex.execute(step), reps=20)
+    rows, kernel_us = kernel_table(ex, step)
+    print(
+        f"\nbatch {batch} + a chunk of {args.chunk} after {args.chunk_context} cached: execute "
+        f"{ms * 1e3:.0f} us; {sum(c for _, c, _ in rows)} kernels, {kernel_us:.0f} us of kernel "
+        f"time (eager)"
+    )
+    for name, count, us in rows[:14]:
+        print(f"  {us:8.1f} us  {count:4d} x  {name[:90]}")
+    return {
+        "tokens": args.chunk,
+        "chunk_context": args.chunk_context,
+        "execute_us": ms * 1e3,
+        "kernel_us": kernel_us,
+        "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]],
+    }
 
 
 def ab_graph_times(ex: CudaExecutor, batches: list[int], context: int) -> list[dict]:
