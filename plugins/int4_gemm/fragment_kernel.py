@@ -54,6 +54,7 @@ also run the PTX itself in a numpy emulator of one warp (tests/harness/ptx_emula
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -422,9 +423,12 @@ def _int4_fragment(
     ASM_TEXT: tl.constexpr,
     CONSTRAINTS: tl.constexpr,
     PDL: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
-    tensor here has one element a thread: ``i = 32 * warp + lane``."""
+    tensor here has one element a thread: ``i = 32 * warp + lane``. ``SWIGLU``: the weight's
+    rows are a gate/up projection's, interleaved (`interleave_gate_up`), and y is ``[T, N/2]``
+    = SwiGLU of the product."""
     THREADS: tl.constexpr = TILES * WARPS_K * 32
     PER: tl.constexpr = 8 if TWO else 4  # accumulators a lane
     i = tl.arange(0, THREADS)
@@ -480,41 +484,47 @@ def _int4_fragment(
     # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator m holds row
     # g + 8 (m % 4 >= 2) and token 2c + (m & 1) (+ 8 for the second mma's, m >= 4).
     lane_t = tl.arange(0, 32)
-    row_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None] * 16 + (lane_t // 4)[None, :]
+    tile_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None]
+    row_t = tile_t * 16 + (lane_t // 4)[None, :]
     tok_t = 2 * (lane_t % 4)[None, :]
     for m in tl.static_range(PER):
-        _store_acc(
-            acc[m],
-            row_t + 8 * ((m % 4) // 2),
-            tok_t + m % 2 + 8 * (m // 4),
-            T,
-            N,
-            bias_ptr,
-            y_ptr,
-            TILES,
-            WARPS_K,
-            HAS_BIAS,
-        )
+        row = row_t + 8 * ((m % 4) // 2)
+        tok = tok_t + m % 2 + 8 * (m // 4)
+        if not SWIGLU:
+            total = _tile_sums(acc[m], row, N, bias_ptr, TILES, WARPS_K, HAS_BIAS)
+            ok = (row < N) & (tok < T)
+            tl.store(y_ptr + tok.to(tl.int64) * N + row, total.to(y_ptr.dtype.element_ty), mask=ok)
+        elif m % 4 < 2:
+            # Rows g and g + 8 of a tile are gate and up of output 8 tile + g: the lane holds
+            # both (accumulators m and m + 2). The arithmetic and roundings of the unfused
+            # Int4Gemm (y rounded to its dtype) then SwiGLU (`pointwise._swiglu`), so the
+            # fused node gives the same bits.
+            ty = y_ptr.dtype.element_ty
+            gate = _tile_sums(acc[m], row, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
+            up = _tile_sums(acc[m + 2], row + 8, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
+            g32 = gate.to(tl.float32)
+            silu = (g32 / (1.0 + tl.exp(-g32))).to(ty)
+            out_row = tile_t * 8 + (lane_t // 4)[None, :]
+            ok = (out_row < N // 2) & (tok < T)
+            tl.store(y_ptr + tok.to(tl.int64) * (N // 2) + out_row, silu * up, mask=ok)
 
 
 @triton.jit
-def _store_acc(
+def _tile_sums(
     acc,
     row,
-    tok,
-    T,
     N,
     bias_ptr,
-    y_ptr,
     TILES: tl.constexpr,
     WARPS_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    total = tl.sum(tl.reshape(acc, (TILES, WARPS_K, 32)), axis=1)  # [TILES, 32]
-    ok = (row < N) & (tok < T)
+    """A tile's sums ``[TILES, 32]`` in fp32: the WARPS_K warps' accumulators added, then the
+    bias of each lane's row."""
+    total = tl.sum(tl.reshape(acc, (TILES, WARPS_K, 32)), axis=1)
     if HAS_BIAS:
         total += tl.load(bias_ptr + row, mask=row < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + tok.to(tl.int64) * N + row, total.to(y_ptr.dtype.element_ty), mask=ok)
+    return total
 
 
 @dataclass(frozen=True)
@@ -604,11 +614,14 @@ def int4_gemm_fragment(
     *,
     plan: FragmentPlan | None = None,
     out: torch.Tensor | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` for ``x [T, K]`` in the weight's dtype (fp16
     or bf16), 1 <= T <= 32 in the launches `fragment_launches` gives (CUDA; Triton's CPU
     interpreter runs the portable version). ``plan`` (1..16 tokens) makes it one launch of that
-    plan instead."""
+    plan instead. ``swiglu``: the weight is a gate/up projection with its rows interleaved
+    (`interleave_gate_up`) and y is ``[T, N/2]``, SwiGLU of the product (the gate and up rows
+    of each output are in one lane's accumulators: no second kernel, no ``[T, N]`` in memory)."""
     n, k = weight.out_features, weight.in_features
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
@@ -629,10 +642,11 @@ def int4_gemm_fragment(
             f"Int4Gemm fragment kernel: not for {tokens} tokens on [{n}, {k}] "
             f"(fragment_launches); call fragment_matmul"
         )
-    y = out if out is not None else torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    width = n // 2 if swiglu else n
+    y = out if out is not None else torch.empty((tokens, width), dtype=x.dtype, device=x.device)
     for first, end, p in launches:  # a launch's x rows stay 16-byte aligned: K % 64 == 0
-        _launch(x2[first:end], weight, bias, p, y[first:end])
-    return y.view(*x.shape[:-1], n)
+        _launch(x2[first:end], weight, bias, p, y[first:end], swiglu)
+    return y.view(*x.shape[:-1], width)
 
 
 def _launch(
@@ -641,6 +655,7 @@ def _launch(
     bias: torch.Tensor | None,
     plan: FragmentPlan,
     y: torch.Tensor,
+    swiglu: bool = False,
 ) -> None:
     n, k = weight.out_features, weight.in_features
     tokens = x2.shape[0]
@@ -675,6 +690,7 @@ def _launch(
         ASM=asm,
         ASM_TEXT=text,
         CONSTRAINTS=constraints,
+        SWIGLU=swiglu,
         num_warps=plan.tiles * plan.warps_k,
         **launch,
     )
@@ -782,18 +798,57 @@ def fragment_matmul(
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """The rows of a gate/up projection ``[2I, ...]`` (gate rows, then up rows) reordered so
+    that 16-row tile ``r`` holds gate rows ``8r .. 8r + 7`` then up rows ``8r .. 8r + 7``: what
+    ``swiglu=True`` takes (I a multiple of 8)."""
+    n = t.shape[0]
+    if n % 16:
+        raise ValueError(f"interleave_gate_up: {n} rows is not 2 x a multiple of 8")
+    return t.reshape(2, n // 16, 8, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+def deinterleave_gate_up(y: torch.Tensor) -> torch.Tensor:
+    """``y [..., 2I]`` of an interleaved gate/up weight back to gate columns, then up columns."""
+    n = y.shape[-1]
+    lead = y.shape[:-1]
+    return y.reshape(*lead, n // 16, 2, 8).transpose(-3, -2).reshape(*lead, n)
+
+
 def fragment_gemm(
     x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """An Int4Gemm on the fragment layout, as the CUDA executor runs it: the kernel's launches
     (`fragment_launches`: 1..32 tokens) where x is in the weight's dtype and 16-byte aligned
     (a step's activations are), else `fragment_matmul`."""
+    if _kernel_takes(x, weight):
+        return int4_gemm_fragment(x, weight, bias)
+    return fragment_matmul(x, weight, bias)
+
+
+def fragment_gemm_swiglu(
+    x: torch.Tensor,
+    weight: FragmentWeight,
+    swiglu: Callable[[torch.Tensor], torch.Tensor],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SwiGLU of a gate/up Int4Gemm whose rows (and bias) are interleaved
+    (`interleave_gate_up`), as the CUDA executor runs it: the kernel with SwiGLU in its
+    epilogue where `fragment_gemm` runs the kernel, else `fragment_matmul`, the columns put
+    back in order and ``swiglu`` (the executor's own op: both paths give the unfused nodes'
+    bits)."""
+    if _kernel_takes(x, weight):
+        return int4_gemm_fragment(x, weight, bias, swiglu=True)
+    return swiglu(deinterleave_gate_up(fragment_matmul(x, weight, bias)))
+
+
+def _kernel_takes(x: torch.Tensor, weight: FragmentWeight) -> bool:
+    """The kernel's launches take this call: x in the weight's dtype, 16-byte aligned, 1..32
+    tokens on a layer it takes."""
     tokens = x.numel() // weight.in_features
-    if (
+    return (
         x.dtype == weight.dtype
         and x.data_ptr() % 16 == 0
         and fragment_launches(tokens, weight.out_features, weight.in_features, weight.group_size)
         is not None
-    ):
-        return int4_gemm_fragment(x, weight, bias)
-    return fragment_matmul(x, weight, bias)
+    )

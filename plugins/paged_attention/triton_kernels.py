@@ -334,7 +334,7 @@ def plan(
     num_seqs: int,
     num_heads: int,
     num_kv_heads: int,
-    head_dim: int = 64,
+    head_dim: int,
     sms: int = 132,
 ) -> dict:
     """Launch shape from tensor shapes only. Decode-only steps (one token per sequence) get

@@ -124,6 +124,34 @@ def test_fragment_kernel_in_launches_matches_reference():
     assert run(27, 32, 256, 128, True) < 1e-3
 
 
+@pytest.mark.parametrize("tokens, bias", [(1, False), (11, True), (27, False), (40, True)])
+def test_swiglu_in_the_epilogue_gives_the_unfused_bits(tokens, bias):
+    """A gate/up weight with its rows interleaved and SwiGLU in the kernel's epilogue (one mma,
+    two, launches of 16; 40 tokens: the dequantized layer and cuBLAS) = the plain layout's
+    Int4Gemm, then SwiGLU, bit for bit."""
+    from trtc.plugins.kernels import pointwise
+
+    n, k, group = 64, 256, 128
+    qweight, scales, zeros, b = make_layer(n, k, group, torch.float16, bias, seed=5)
+    plain = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+    il = fragment_kernel.interleave_gate_up
+    mixed = fragment_kernel.fragment_pack(il(qweight), il(scales), il(zeros), group)
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(torch.float16)
+    want = pointwise.swiglu(fragment_kernel.fragment_gemm(x, plain, b))
+    got = fragment_kernel.fragment_gemm_swiglu(
+        x, mixed, pointwise.swiglu, None if b is None else il(b)
+    )
+    assert got.shape == (tokens, n // 2)
+    assert torch.equal(got, want)
+    # the interleaving: tile r holds gate rows 8r..8r+7, then up rows 8r..8r+7
+    rows = il(torch.arange(n))
+    assert rows[:16].tolist() == [*range(8), *range(32, 40)]
+    assert torch.equal(
+        fragment_kernel.deinterleave_gate_up(il(torch.arange(n))[None]), torch.arange(n)[None]
+    )
+
+
 def test_fragment_matmul_takes_x_in_another_dtype():
     """x in fp32 against fp16 weights: multiplied in fp32, y in fp32 (the plugin's contract)."""
     qweight, scales, zeros, b = make_layer(32, 256, 128, torch.float16, True, 0)
@@ -230,14 +258,14 @@ COMPILE_FOR_SM90 = r'''
 from trtc.plugins.int4_gemm import fragment_kernel as fk
 
 
-def compile_for_sm90(tokens, n, k, bf16):
+def compile_for_sm90(tokens, n, k, bf16, swiglu=False):
     """The kernel as the executor launches it for this call, compiled for sm_90: (plan, asm)."""
     plan = fk.fragment_plan(tokens, n, k, 128)
     chunk = -(-(k // 128) // plan.warps_k)
     text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False, bf16)
     consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
                   BF16=bf16, HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints,
-                  PDL=True)
+                  PDL=True, SWIGLU=swiglu)
     half = "*bf16" if bf16 else "*fp16"
     sig = {"x_ptr": half, "words_ptr": "*i32", "records_ptr": half, "bias_ptr": half,
            "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32",
@@ -271,9 +299,12 @@ SPILL_PROBE = (
 # group 128), one and two mma's, both dtypes
 longest = fk.LANE_STEPS * fk.MAX_WARPS_K * fk.STEP_COLS
 assert fk.fragment_supports(4096, longest, 128) is None
-for tokens, n, k, bf16 in [(1, 4096, longest, False), (16, 4096, longest, False),
-                           (8, 4096, longest, True), (16, 11008, 4096, True)]:
-    plan, asm = compile_for_sm90(tokens, n, k, bf16)
+for tokens, n, k, bf16, swiglu in [(1, 4096, longest, False, False),
+                                   (16, 4096, longest, False, False),
+                                   (8, 4096, longest, True, False),
+                                   (16, 11008, 4096, True, False),
+                                   (1, 11264, 2048, False, True), (16, 22016, 4096, False, True)]:
+    plan, asm = compile_for_sm90(tokens, n, k, bf16, swiglu)
     registers, stores, loads = ptxas_report(asm["ptx"])
     print(tokens, k, plan.warps_k, registers, f"{stores}/{loads}")
 """
@@ -295,9 +326,10 @@ def test_fragment_asm_sees_one_element_per_thread_in_order():
 
 def test_fragment_kernel_holds_a_lanes_share_in_registers():
     """`fragment_supports`' row-length limit: the longest rows the layout takes compile for
-    sm_90 without spills (ptxas -v)."""
+    sm_90 without spills (ptxas -v); and the SwiGLU epilogue (gate/up of the 1.1B and 7B
+    models, one and two mma's)."""
     lines = run_probe(SPILL_PROBE)
-    assert len(lines) == 4, lines
+    assert len(lines) == 6, lines
     for line in lines:
         assert line.split()[4:] == ["0/0"], line  # spill stores / loads, bytes
 

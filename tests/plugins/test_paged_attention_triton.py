@@ -118,7 +118,7 @@ def test_decode_split_k(splits, merge):
 def test_decode_only_step(splits, heads_first):
     # T == S (no padding row): the kernel's decode path, one program column per sequence.
     seqs = [(70, 1), (5, 1), (33, 1), (0, 1), (16, 1)]
-    assert triton_kernels.plan(5, 5, 8, 2)["decode"]
+    assert triton_kernels.plan(5, 5, 8, 2, 16)["decode"]
     check(
         seqs,
         8,

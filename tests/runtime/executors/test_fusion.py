@@ -135,9 +135,15 @@ def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
         plain, {n for n in dropped if not n.endswith("qweight")}
     )
     ops = [n[0] for n in fused.nodes]
-    from trtc.runtime.executors.fusions.int4_fragment import int4_gemm_fragment
+    from trtc.runtime.executors.fusions.int4_fragment import (
+        int4_gemm_fragment,
+        int4_gemm_fragment_swiglu,
+    )
+    from trtc.runtime.executors.torch_ops import swiglu
 
-    assert ops.count(int4_gemm_fragment) == 6
+    # q/k/v and o of both layers; gate/up with its SwiGLU taken in (no SwiGLU node left)
+    assert ops.count(int4_gemm_fragment) == 4 and ops.count(int4_gemm_fragment_swiglu) == 2
+    assert swiglu not in ops
     # The prefill through dequantized weights and a matmul, the decode steps through the
     # fragment kernel.
     assert_same_steps(plain, fused, tol=2e-2, kv=False)
