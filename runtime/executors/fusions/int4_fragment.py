@@ -116,6 +116,8 @@ def fuse_int4_fragments(g: NodeGraph) -> int:
             continue
         if bias:
             g.constants[f"{bias}.interleaved"] = fk.interleave_gate_up(g.constants[bias])
+            if bias not in g.graph_outputs and g.readers[bias] == [i]:
+                del g.constants[bias]
             bias = f"{bias}.interleaved"
         j = swiglus[i]
         inputs = [n.inputs[0], bias, *packed[key]]

@@ -149,6 +149,37 @@ def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
     assert_same_steps(plain, fused, tol=2e-2, kv=False)
 
 
+def test_int4_gate_up_with_a_bias_takes_its_swiglu():
+    """A gate/up Int4Gemm with a bias (no supported model has one; the rewrite takes it): the
+    bias is interleaved with the rows, the stored one dropped, and the fused node computes the
+    two nodes' result."""
+    from harness.int4_layers import make_layer
+    from trtc.runtime.executors.fusions.int4_fragment import INT4_GEMM_FRAGMENT_SWIGLU
+
+    n, k, group = 64, 128, 64
+    qweight, scales, zeros, bias = make_layer(n, k, group, torch.float16, True, 2, DEVICE)
+    constants = {"qw": qweight, "s": scales, "z": zeros, "b": bias}
+    attrs = {"group_size": group, "in_features": k, "out_features": n}
+    nodes = [
+        GraphNode(("trtc", "Int4Gemm"), ["x", "qw", "s", "z", "b"], ["gate_up"], attrs),
+        GraphNode(("trtc", "SwiGLU"), ["gate_up"], ["y"], {}),
+    ]
+    fused, counts = fuse(nodes, constants, {"y"})
+    assert counts["int4_fragment"] == 1 and len(fused) == 1
+    (node,) = fused
+    assert node.op == INT4_GEMM_FRAGMENT_SWIGLU and node.outputs == ["y"]
+    assert "b" not in constants and torch.equal(
+        constants["b.interleaved"][:16].cpu(), torch.cat((bias[:8], bias[32:40])).cpu()
+    )
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    x = x.to(DEVICE)
+    want = ONNX_OPS[("trtc", "SwiGLU")](
+        ONNX_OPS[("trtc", "Int4Gemm")]([x, qweight, scales, zeros, bias], attrs), {}
+    )[0]
+    (got,) = RUNTIME_OPS[node.op]([x, *(constants[name] for name in node.inputs[1:])], attrs)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
 def test_unmatched_patterns_are_left_alone(tiny_artifacts):
     # A q projection also read by another node must keep its own rotary: that layer is not fused.
     ex = TorchExecutor(Artifact.open(tiny_artifacts["tiny-llama"]), 16)
