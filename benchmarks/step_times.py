@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from trtc.cli import _range
 from trtc.runtime import bench
 from trtc.runtime.engine import EngineConfig, LLMEngine
 
@@ -45,7 +46,7 @@ class StepTimer:
     """Wraps ``executor.execute``: events before and after each step, read by `summary`."""
 
     def __init__(self, executor):
-        self.executor, self.execute = executor, executor.execute
+        self.execute = executor.execute
         self.records: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
         executor.execute = self._execute
 
@@ -80,11 +81,6 @@ class StepTimer:
         }
 
 
-def span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -110,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     spec = dict(
         n=args.num_requests,
-        prompt_len=span(args.prompt_len),
-        output_len=span(args.output_len),
+        prompt_len=_range(args.prompt_len, "--prompt-len"),  # `trtc bench`'s MIN:MAX
+        output_len=_range(args.output_len, "--output-len"),
         seed=args.seed,
     )
     vocab, special = engine.manifest.model.vocab_size, set(engine.tokenizer.all_special_ids)

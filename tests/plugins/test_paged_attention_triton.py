@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness.attention_cases import make_case
+from harness.sm90_compile import run_probe
 from trtc.plugins.kernels import arrival_counters
 from trtc.plugins.paged_attention.reference import paged_attention as reference_attention
 from trtc.plugins.paged_attention.reference import to_cache
@@ -263,8 +264,6 @@ def test_prefill_launch_holds_its_tiles_in_registers():
     """A prefill / mixed step's launch (`plan`: 64-row query tiles) compiled for sm_90 spills
     nothing (ptxas -v): at the decode launch's 2 warps it spilled 1-2 KB a thread, in the loop
     over the context (docs/gpu-kernels.md, "PagedAttention")."""
-    from harness.sm90_compile import run_probe
-
     lines = run_probe(PREFILL_SPILL_PROBE)
     assert len(lines) == 4, lines
     for line in lines:

@@ -33,15 +33,22 @@ def _plain_linear(node: GraphNode) -> bool:
     )
 
 
+def swiglu_reader(g: NodeGraph, i: int) -> int | None:
+    """The SwiGLU node that alone reads node ``i``'s output (not yet fused), if there is one."""
+    out = g.original[i].outputs[0]
+    j = g.only_reader(out)
+    if g.op(j) != ("trtc", "SwiGLU") or not g.free(j) or g.original[j].inputs[0] != out:
+        return None
+    return j
+
+
 def fuse_gemm_swiglu(g: NodeGraph) -> int:
     count = 0
     for i, n in enumerate(g.original):
         if not g.free(i) or not _plain_linear(n):
             continue
-        j = g.only_reader(n.outputs[0])
-        if g.op(j) != ("trtc", "SwiGLU") or not g.free(j):
-            continue
-        if g.original[j].inputs[0] != n.outputs[0]:
+        j = swiglu_reader(g, i)
+        if j is None:
             continue
         g.replace(i, GraphNode(GEMM_SWIGLU, n.inputs, g.original[j].outputs, n.attrs))
         g.remove(j)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from trtc.artifact import Manifest
+from trtc.runtime.executors.fusions.gemm_swiglu import swiglu_reader
 from trtc.runtime.executors.graph import RUNTIME_DOMAIN, Fusion, GraphNode, NodeGraph
 from trtc.runtime.executors.torch_ops import swiglu
 
@@ -35,13 +36,15 @@ def int4_gemm_fragment(x, attrs):
     return [fk.fragment_gemm(x[0], _weight(x, attrs), x[1])]
 
 
+def _swiglu(y: torch.Tensor) -> torch.Tensor:
+    """The executor's own SwiGLU op on one tensor (the fused node's path for long calls)."""
+    return swiglu([y], {})[0]
+
+
 def int4_gemm_fragment_swiglu(x, attrs):
     from trtc.plugins.int4_gemm import fragment_kernel as fk
 
-    def unfused(y):
-        return swiglu([y], {})[0]
-
-    return [fk.fragment_gemm_swiglu(x[0], _weight(x, attrs), unfused, x[1])]
+    return [fk.fragment_gemm_swiglu(x[0], _weight(x, attrs), _swiglu, x[1])]
 
 
 def _takes(g: NodeGraph, node: GraphNode) -> bool:
@@ -63,13 +66,10 @@ def _takes(g: NodeGraph, node: GraphNode) -> bool:
 def _swiglu_reader(g: NodeGraph, i: int) -> int | None:
     """The SwiGLU node that alone reads Int4Gemm ``i``'s output, if its rows can interleave."""
     n = g.original[i]
-    j = g.only_reader(n.outputs[0])
-    if g.op(j) != ("trtc", "SwiGLU") or not g.free(j) or g.original[j].inputs[0] != n.outputs[0]:
-        return None
     bias = n.inputs[4] if len(n.inputs) > 4 else ""
     if n.attrs["out_features"] % 16 or (bias and not g.is_constant(bias)):
         return None
-    return j
+    return swiglu_reader(g, i)
 
 
 def fuse_int4_fragments(g: NodeGraph) -> int:
