@@ -1,7 +1,10 @@
 """Where a served workload's GPU time goes, step by step: the in-process mixed workload of `trtc
 bench` (the same requests, the same engine loop), with a CUDA event recorded before and after
 each step's ``execute``, summed by kind of step (decode-only by batch size, prefill / mixed by
-tokens), at one or more token budgets of one engine (``max_num_batched_tokens``).
+tokens), at one or more token budgets of one engine (``max_num_batched_tokens``). Each budget's run
+follows an untimed warm-up that runs a step of the whole budget, so that the kernels of the
+eager steps (those longer than the largest prefill graph) are compiled before it on an untuned
+artifact.
 
     python3 benchmarks/step_times.py ARTIFACT [--budgets 4096,1024] [-n 256]
         [--prompt-len 128:1024] [--output-len 32:512] [--concurrency 64] [--json FILE]
@@ -112,16 +115,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     vocab, special = engine.manifest.model.vocab_size, set(engine.tokenizer.all_special_ids)
     requests = bench.request_set(spec, vocab, special, engine.tokenizer)
-    warmup = bench.make_requests(4, spec["prompt_len"], (2, 4), vocab, args.seed + 1, special)
-    bench.run_engine(engine, warmup, "inflight", args.concurrency)
-    timer = StepTimer(engine.executor)
-    timer.summary()
     budgets = [int(b) for b in args.budgets.split(",") if b] or [
         engine.scheduler.max_num_batched_tokens
     ]
+    timer = StepTimer(engine.executor)
     report = []
     for budget in budgets:
         engine.scheduler.max_num_batched_tokens = budget
+        # Warm-up: enough of the longest prompts for a first step of the whole budget (steps
+        # longer than the largest prefill graph run eagerly, and an untuned artifact would
+        # compile their kernels inside the timed run), then mixed steps; none of it timed.
+        longest = spec["prompt_len"][1]
+        warmup = bench.make_requests(
+            min(args.concurrency, -(-budget // longest) + 1),
+            (longest, longest),
+            (2, 4),
+            vocab,
+            args.seed + 1,
+            special,
+        )
+        bench.run_engine(engine, warmup, "inflight", args.concurrency)
+        timer.summary()  # drops the warm-up's steps
         started = time.perf_counter()
         result = bench.run_engine(engine, requests, "inflight", args.concurrency)
         wall_ms = (time.perf_counter() - started) * 1e3

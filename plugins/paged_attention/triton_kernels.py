@@ -135,6 +135,7 @@ def _paged_attention(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,
+    SEQS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     MERGE_LAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -146,11 +147,18 @@ def _paged_attention(
     kv_head = tl.program_id(0 if HEADS_FIRST else 1)
     split = tl.program_id(2)
     if DECODE:
-        # One token per sequence (T == S): tile = token = sequence, no search, no spare tiles.
+        # One token per sequence: tile = sequence, no search, no spare tiles.
         seq = tile
-        q_begin = tile
-        q_end = tile + 1
-        q_start = tile
+        if SEQS == 1:
+            # A mixed step's one-token sequences; its longer ones are the SEQS == 2 launch's.
+            q_begin = tl.load(query_start_loc_ptr + seq)
+            q_end = tl.load(query_start_loc_ptr + seq + 1)
+            if q_end - q_begin != 1:
+                return
+        else:  # a decode step (T == S): token = sequence
+            q_begin = tile
+            q_end = tile + 1
+        q_start = q_begin
     else:
         seq = _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q)
         q_begin = tl.load(query_start_loc_ptr + seq)
@@ -159,6 +167,8 @@ def _paged_attention(
         q_start = q_begin + (tile - first_tile) * TILE_Q  # first token of this tile
         if q_start >= q_end:
             return  # a spare tile of this sequence
+        if SEQS == 2 and q_end - q_begin == 1:
+            return  # a one-token sequence: the SEQS == 1 launch's
     context_len = tl.load(context_lens_ptr + seq)
     num_new = q_end - q_begin
 
@@ -323,6 +333,9 @@ def _combine(
 
 
 MERGE_LAST_MAX_SPLITS = 4
+# Whether `plan` gives a mixed step's one-token sequences their own launch (a module setting so a
+# benchmark can time both; `paged_attention(singles=...)` chooses per call).
+SPLIT_SINGLES = True
 
 
 def _pow2(n: int) -> int:
@@ -351,11 +364,17 @@ def plan(
         while tiles * num_kv_heads * splits < 4 * sms and splits < 16:
             splits *= 2
     # Warps: the decode launch keeps the 2 it was timed with; a prefill / mixed tile (64 query
-    # rows and more) takes one warp per 1,024 of its accumulator's elements, 4 to 8, so that
-    # its accumulator, query and K/V tiles stay in registers: with 2 warps it spilled 1-2 KB a
-    # thread on sm_90 (docs/gpu-kernels.md, "PagedAttention").
-    warps = 2 if decode else min(8, max(4, tile_m * _pow2(head_dim) // 1024))
+    # rows and more) takes 4. With 2 its tiles spilled 1-2 KB a thread on sm_90 and the launch
+    # was the slowest timed; 8 spill nothing at head dim 128 but were slower than 4, which
+    # spill 736 bytes there (docs/gpu-kernels.md, "PagedAttention", 2026-12-06).
+    warps = 2 if decode else 4
     return {
+        # A mixed step's one-token sequences in a decode-shaped launch of their own, at head
+        # dim 128 and more: in the query tiles each fills one 64-row tile with GROUP rows and
+        # reads its whole context in one program, which at head dim 128 took 1.4-1.7x the two
+        # launches' time; at head dim 64 those tiles are cheap and run beside the chunk's, and
+        # one launch was as fast or faster on 3 of the 4 steps timed (same section).
+        "singles": not decode and SPLIT_SINGLES and _pow2(head_dim) >= 128,
         "tile_q": tile_q,
         "tile_m": tile_m,
         "tiles": tiles,
@@ -382,13 +401,16 @@ def paged_attention(
     heads_first: bool = True,
     write_kv: bool = True,
     merge: str = "auto",
+    singles: bool | None = None,
     **attrs,
 ):
     """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place;
     ``attrs`` the op's attributes, as `trtc.plugins.paged_attention.paged_attention` takes them.
     An FP8 cache is read as E4M3 values converted to the query dtype (exact: every E4M3 value is
     an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output.
-    The other keywords choose the launch (`plan` by default)."""
+    The other keywords choose the launch (`plan` by default); ``num_splits`` is the context
+    split of the launch that has one (a decode step's, or a mixed step's one-token sequences'
+    with ``singles``), ``num_warps`` the warps of the query tiles' launch."""
     a = SPEC.attribute_values(attrs)
     num_heads, num_kv_heads, head_dim = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     k_scale, v_scale = a["k_scale"], a["v_scale"]
@@ -398,27 +420,83 @@ def paged_attention(
     # cache-write kernel put them there).
     num_tokens = query.shape[0]
     num_seqs = context_lens.shape[0]
-    block_size = kv_cache.shape[2]
     row = num_kv_heads * head_dim
-    cache_kv_stride = kv_cache.stride(0)
-    launch = pdl.launch_options(query.device)
     if write_kv:
         _write_kv[(num_tokens,)](
             key.contiguous(),
             value.contiguous(),
             kv_cache,
             slot_mapping,
-            cache_kv_stride,
+            kv_cache.stride(0),
             k_scale,
             v_scale,
             ROW=row,
             ROW_P2=_pow2(row),
             FP8=fp8,
-            **launch,
+            **pdl.launch_options(query.device),
         )
     p = plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim)
-    splits = num_splits or p["splits"]
+    if singles is None:
+        singles = p["singles"]
     out = torch.empty_like(query)
+    common = dict(
+        query=query.contiguous(),
+        kv_cache=kv_cache,
+        out=out,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        query_start_loc=query_start_loc,
+        scale=a["scale"] * k_scale,
+        v_scale=v_scale,
+        sliding_window=a["sliding_window"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tile_k=tile_k,
+        num_stages=num_stages,
+        heads_first=heads_first,
+    )
+    if p["decode"] or not singles:
+        _attend(p, 0, num_splits or p["splits"], merge, num_warps or p["num_warps"], **common)
+    else:
+        # A mixed step: its one-token sequences (the decode rows beside a prompt chunk) through
+        # a decode step's launch (single-token tiles, the context split), merged by the last
+        # split (a `_combine` launch would rewrite every token's rows); the rest through the
+        # query tiles, whose programs skip the one-token sequences.
+        one = plan(num_seqs, num_seqs, num_heads, num_kv_heads, head_dim)
+        _attend(one, 1, num_splits or one["splits"], "last", one["num_warps"], **common)
+        _attend(p, 2, 1, merge, num_warps or p["num_warps"], **common)
+    return out, kv_cache
+
+
+def _attend(
+    p: dict,
+    seqs: int,
+    splits: int,
+    merge: str,
+    num_warps: int,
+    *,
+    query,
+    kv_cache,
+    out,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    scale,
+    v_scale,
+    sliding_window,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    tile_k,
+    num_stages,
+    heads_first,
+):
+    """One `_paged_attention` launch of plan ``p`` over the sequences ``seqs`` selects (0: all,
+    1: the one-token ones of a mixed step, 2: the others), writing its rows of ``out``; with
+    ``splits`` > 1 the partial results are merged by the last split or by `_combine` (``merge``:
+    "last", "kernel" or "auto", as `paged_attention` takes it)."""
+    num_tokens = query.shape[0]
     d_p2 = _pow2(head_dim)
     if splits > 1:
         part_acc = torch.empty(
@@ -439,8 +517,9 @@ def paged_attention(
     )
     counters = arrival_counters(query.device, p["tiles"] * num_kv_heads) if merge_last else out
     grid = (num_kv_heads, p["tiles"], splits) if heads_first else (p["tiles"], num_kv_heads, splits)
+    launch = pdl.launch_options(query.device)
     _paged_attention[grid](
-        query.contiguous(),
+        query,
         kv_cache,
         out,
         part_acc,
@@ -449,27 +528,28 @@ def paged_attention(
         block_tables,
         context_lens,
         query_start_loc,
-        num_seqs,
+        context_lens.shape[0],
         block_tables.shape[1],
-        cache_kv_stride,
-        a["scale"] * k_scale,
+        kv_cache.stride(0),
+        scale,
         v_scale,
-        a["sliding_window"],
+        sliding_window,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_P2=d_p2,
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=kv_cache.shape[2],
         TILE_Q=p["tile_q"],
         TILE_M=p["tile_m"],
         TILE_K=tile_k,
         NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DECODE=p["decode"],
+        SEQS=seqs,
         HEADS_FIRST=heads_first,
         MERGE_LAST=merge_last,
-        num_warps=num_warps or p["num_warps"],
+        num_warps=num_warps,
         num_stages=num_stages,
         **launch,
     )
@@ -477,4 +557,3 @@ def paged_attention(
         _combine[(num_tokens * num_heads,)](
             part_acc, part_ml, out, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, NUM_SPLITS=splits, **launch
         )
-    return out, kv_cache
