@@ -107,26 +107,29 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def plan(rows: int, n: int, k: int, sms: int = 132) -> dict:
-    """Tiles and split for ``rows x k @ k x n``: 128-column tiles (64 when that alone gives more
-    programs than SMs), K cut in chunks of whole 64-wide steps until the programs fill the SMs
-    about three times over."""
+def plan(
+    rows: int, n: int, k: int, sms: int = 132, block_n: int | None = None, splits: int | None = None
+) -> dict:
+    """Tiles and split for ``rows x k @ k x n``: 128-column tiles (64 when 128-column tiles
+    would not outnumber the SMs), K cut in chunks of whole 64-wide steps until the programs fill
+    the SMs about three times over. ``block_n`` and ``splits`` override the choice (the
+    benchmark's variants); the split is then cut so that no chunk is empty."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_n = 64 if triton.cdiv(n, 128) < sms else 128
+    block_n = block_n or (64 if triton.cdiv(n, 128) < sms else 128)
     block_k = 64
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
-    splits = 1
-    while tiles * splits < 3 * sms and splits * 2 <= steps and splits < 16:
-        splits *= 2
+    if splits is None:
+        splits = 1
+        while tiles * splits < 3 * sms and splits * 2 <= steps and splits < 16:
+            splits *= 2
     chunk = triton.cdiv(steps, splits) * block_k
-    splits = triton.cdiv(k, chunk)  # no empty chunk
     return {
         "block_m": block_m,
         "block_n": block_n,
         "block_k": block_k,
         "chunk": chunk,
-        "splits": splits,
+        "splits": triton.cdiv(k, chunk),  # no empty chunk
         "tiles": tiles,
         # a 64 x 128 fp32 accumulator spills at 4 warps on sm_90 (ptxas -v: 1 KB a thread)
         "num_warps": 8 if block_m * block_n > 4096 else 4,
@@ -138,18 +141,15 @@ def split_k_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     *,
+    block_n: int | None = None,
+    splits: int | None = None,
     use_pdl: bool | None = None,
-    **overrides,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T`` in x's dtype (`supports` must hold). ``overrides`` replace
-    entries of `plan` (the benchmark's variants); ``use_pdl`` the module default."""
+    """``x [M, K] @ weight[N, K].T`` in x's dtype (`supports` must hold). ``block_n`` and
+    ``splits`` override `plan`'s choice, ``use_pdl`` the module default."""
     m, k = x.shape
     n = weight.shape[0]
-    p = {**plan(m, n, k), **overrides}
-    p["tiles"] = triton.cdiv(n, p["block_n"])
-    if "splits" in overrides or "block_k" in overrides:  # whole BLOCK_K steps a chunk
-        p["chunk"] = triton.cdiv(triton.cdiv(k, p["block_k"]), p["splits"]) * p["block_k"]
-        p["splits"] = triton.cdiv(k, p["chunk"])
+    p = plan(m, n, k, block_n=block_n, splits=splits)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if p["splits"] > 1:
         part = torch.empty(p["splits"], p["block_m"], n, dtype=torch.float32, device=x.device)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.sm90_compile import run_probe
+from trtc.plugins.kernels import arrival_counters
+
 split_k = pytest.importorskip("trtc.plugins.kernels.split_k_gemm", reason="triton is not installed")
-from trtc.plugins.kernels import arrival_counters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -82,3 +84,31 @@ def test_gpu_real_sizes_in_a_cuda_graph(n, k):
         torch.cuda.synchronize()
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert arrival_counters.all_zero()
+
+
+SPILL_PROBE = r"""
+from trtc.plugins.kernels import split_k_gemm as sk
+
+# The 8B model's o projection (64 x 64 tiles) and gate/up (64 x 128) at 64 rows.
+for rows, n, k in [(64, 4096, 4096), (64, 28672, 4096)]:
+    p = sk.plan(rows, n, k)
+    consts = dict(BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
+                  CHUNK=p["chunk"], SPLITS=p["splits"], PDL=True)
+    sig = {"x_ptr": "*fp16", "w_ptr": "*fp16", "part_ptr": "*fp32", "y_ptr": "*fp16",
+           "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
+           **{name: "constexpr" for name in consts}}
+    src = triton.compiler.ASTSource(fn=sk._split_k_gemm, signature=sig, constexprs=consts)
+    options = {"num_warps": p["num_warps"], "num_stages": p["num_stages"]}
+    asm = triton.compile(src, target=SM90, options=options).asm
+    registers, stores, loads = ptxas_report(asm["ptx"])
+    print(rows, n, k, p["block_n"], p["num_warps"], "wgmma" in asm["ptx"], f"{stores}/{loads}")
+"""
+
+
+def test_launches_compile_for_sm90_on_the_tensor_cores_without_spills():
+    """The plan's launches at 64 rows, compiled for sm_90 (ptxas -v): wgmma, and no spill (64 x
+    128 tiles spilled 1 KB a thread at 4 warps, hence 8 there)."""
+    lines = run_probe(SPILL_PROBE)
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert line.split()[-2:] == ["True", "0/0"], line
