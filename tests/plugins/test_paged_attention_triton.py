@@ -194,9 +194,11 @@ def test_gpu_fp8_kv_cache(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_real_sizes(dtype):
+@pytest.mark.parametrize("kv_heads,head_dim", [(4, 64), (8, 128)])  # one launch / two (`plan`)
+def test_gpu_real_sizes(dtype, kv_heads, head_dim):
     seqs = [(2047, 1)] * 8 + [(0, 300), (500, 129), (17, 1)]
-    check(seqs, 32, 4, 64, 16, dtype=dtype, seed=11, num_blocks=2048, atol=1e-2)
+    check(seqs, 32, kv_heads, head_dim, 16, dtype=dtype, seed=11, num_blocks=2048, atol=1e-2)
+    assert arrival_counters.all_zero()
 
 
 def test_fp8_rounding_is_torchs_bit_for_bit():
