@@ -333,9 +333,6 @@ def _combine(
 
 
 MERGE_LAST_MAX_SPLITS = 4
-# Whether `plan` gives a mixed step's one-token sequences their own launch (a module setting so a
-# benchmark can time both; `paged_attention(singles=...)` chooses per call).
-SPLIT_SINGLES = True
 
 
 def _pow2(n: int) -> int:
@@ -374,7 +371,7 @@ def plan(
         # reads its whole context in one program, which at head dim 128 took 1.4-1.7x the two
         # launches' time; at head dim 64 those tiles are cheap and run beside the chunk's, and
         # one launch was as fast or faster on 3 of the 4 steps timed (same section).
-        "singles": not decode and SPLIT_SINGLES and _pow2(head_dim) >= 128,
+        "singles": not decode and _pow2(head_dim) >= 128,
         "tile_q": tile_q,
         "tile_m": tile_m,
         "tiles": tiles,
