@@ -22,6 +22,7 @@ waits first).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -436,63 +437,54 @@ def paged_attention(
     if singles is None:
         singles = p["singles"]
     out = torch.empty_like(query)
-    common = dict(
-        query=query.contiguous(),
-        kv_cache=kv_cache,
-        out=out,
-        block_tables=block_tables,
-        context_lens=context_lens,
-        query_start_loc=query_start_loc,
-        scale=a["scale"] * k_scale,
-        v_scale=v_scale,
-        sliding_window=a["sliding_window"],
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        tile_k=tile_k,
-        num_stages=num_stages,
-        heads_first=heads_first,
+    step = _Step(
+        query.contiguous(),
+        kv_cache,
+        out,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        a,
+        tile_k,
+        num_stages,
+        heads_first,
     )
     if p["decode"] or not singles:
-        _attend(p, 0, num_splits or p["splits"], merge, num_warps or p["num_warps"], **common)
+        _attend(step, p, 0, num_splits or p["splits"], merge, num_warps or p["num_warps"])
     else:
         # A mixed step: its one-token sequences (the decode rows beside a prompt chunk) through
         # a decode step's launch (single-token tiles, the context split), merged by the last
         # split (a `_combine` launch would rewrite every token's rows); the rest through the
         # query tiles, whose programs skip the one-token sequences.
         one = plan(num_seqs, num_seqs, num_heads, num_kv_heads, head_dim)
-        _attend(one, 1, num_splits or one["splits"], "last", one["num_warps"], **common)
-        _attend(p, 2, 1, merge, num_warps or p["num_warps"], **common)
+        _attend(step, one, 1, num_splits or one["splits"], "last", one["num_warps"])
+        _attend(step, p, 2, 1, merge, num_warps or p["num_warps"])
     return out, kv_cache
 
 
-def _attend(
-    p: dict,
-    seqs: int,
-    splits: int,
-    merge: str,
-    num_warps: int,
-    *,
-    query,
-    kv_cache,
-    out,
-    block_tables,
-    context_lens,
-    query_start_loc,
-    scale,
-    v_scale,
-    sliding_window,
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    tile_k,
-    num_stages,
-    heads_first,
-):
+class _Step(NamedTuple):
+    """What every launch of one `paged_attention` call shares: its tensors, the op's attribute
+    values (`SPEC.attribute_values`) and the launch options the caller chose."""
+
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    out: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    attrs: dict
+    tile_k: int
+    num_stages: int
+    heads_first: bool
+
+
+def _attend(step: _Step, p: dict, seqs: int, splits: int, merge: str, num_warps: int) -> None:
     """One `_paged_attention` launch of plan ``p`` over the sequences ``seqs`` selects (0: all,
-    1: the one-token ones of a mixed step, 2: the others), writing its rows of ``out``; with
+    1: the one-token ones of a mixed step, 2: the others), writing its rows of ``step.out``; with
     ``splits`` > 1 the partial results are merged by the last split or by `_combine` (``merge``:
     "last", "kernel" or "auto", as `paged_attention` takes it)."""
+    query, kv_cache, out, a = step.query, step.kv_cache, step.out, step.attrs
+    num_heads, num_kv_heads, head_dim = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     num_tokens = query.shape[0]
     d_p2 = _pow2(head_dim)
     if splits > 1:
@@ -513,7 +505,8 @@ def _attend(
         merge == "last" or (merge == "auto" and splits <= MERGE_LAST_MAX_SPLITS)
     )
     counters = arrival_counters(query.device, p["tiles"] * num_kv_heads) if merge_last else out
-    grid = (num_kv_heads, p["tiles"], splits) if heads_first else (p["tiles"], num_kv_heads, splits)
+    tiles = p["tiles"]
+    grid = (num_kv_heads, tiles, splits) if step.heads_first else (tiles, num_kv_heads, splits)
     launch = pdl.launch_options(query.device)
     _paged_attention[grid](
         query,
@@ -522,15 +515,15 @@ def _attend(
         part_acc,
         part_ml,
         counters,
-        block_tables,
-        context_lens,
-        query_start_loc,
-        context_lens.shape[0],
-        block_tables.shape[1],
+        step.block_tables,
+        step.context_lens,
+        step.query_start_loc,
+        step.context_lens.shape[0],
+        step.block_tables.shape[1],
         kv_cache.stride(0),
-        scale,
-        v_scale,
-        sliding_window,
+        a["scale"] * a["k_scale"],
+        a["v_scale"],
+        a["sliding_window"],
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=num_heads // num_kv_heads,
@@ -539,15 +532,15 @@ def _attend(
         BLOCK_SIZE=kv_cache.shape[2],
         TILE_Q=p["tile_q"],
         TILE_M=p["tile_m"],
-        TILE_K=tile_k,
+        TILE_K=step.tile_k,
         NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DECODE=p["decode"],
         SEQS=seqs,
-        HEADS_FIRST=heads_first,
+        HEADS_FIRST=step.heads_first,
         MERGE_LAST=merge_last,
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=step.num_stages,
         **launch,
     )
     if splits > 1 and not merge_last:

@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 
-# Defines ``ptxas_report(ptx) -> (registers, spill_store_bytes, spill_load_bytes)`` in a probe.
+# Defines in a probe ``compile_sm90(fn, signature, constexprs, attrs=None, **options) -> asm``
+# (the constexprs added to the signature) and ``ptxas_report(ptx) -> (registers,
+# spill_store_bytes, spill_load_bytes)``.
 PTXAS_REPORT = r"""
 import re, subprocess, tempfile
 import triton
@@ -16,6 +18,12 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 
 SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(fn, signature, constexprs, attrs=None, **options):
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=SM90, options=options).asm
 
 
 def ptxas_report(ptx):

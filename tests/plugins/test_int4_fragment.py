@@ -268,13 +268,10 @@ def compile_for_sm90(tokens, n, k, bf16, swiglu=False):
                   PDL=True, SWIGLU=swiglu)
     half = "*bf16" if bf16 else "*fp16"
     sig = {"x_ptr": half, "words_ptr": "*i32", "records_ptr": half, "bias_ptr": half,
-           "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32",
-           **{name: "constexpr" for name in consts}}
+           "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
-    src = triton.compiler.ASTSource(fn=fk._int4_fragment, signature=sig, constexprs=consts,
-                                    attrs=attrs)
-    return plan, triton.compile(src, target=SM90,
-                                options={"num_warps": plan.tiles * plan.warps_k}).asm
+    return plan, compile_sm90(fk._int4_fragment, sig, consts, attrs,
+                              num_warps=plan.tiles * plan.warps_k)
 '''
 
 LAYOUT_PROBE = (

@@ -270,10 +270,8 @@ for heads, kv_heads, head_dim in [(32, 4, 64), (32, 8, 128), (32, 1, 128), (9, 3
            "part_ml_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
            "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "num_seqs": "i32",
            "max_blocks": "i32", "cache_kv_stride": "i64", "scale": "fp32", "v_scale": "fp32",
-           "sliding_window": "i32", **{name: "constexpr" for name in consts}}
-    src = triton.compiler.ASTSource(fn=tk._paged_attention, signature=sig, constexprs=consts)
-    options = {"num_warps": p["num_warps"], "num_stages": 3}
-    asm = triton.compile(src, target=SM90, options=options).asm
+           "sliding_window": "i32"}
+    asm = compile_sm90(tk._paged_attention, sig, consts, num_warps=p["num_warps"], num_stages=3)
     registers, stores, loads = ptxas_report(asm["ptx"])
     print(heads, kv_heads, head_dim, p["tile_m"], p["num_warps"], registers, f"{stores}/{loads}")
 """

@@ -95,11 +95,9 @@ for rows, n, k in [(64, 4096, 4096), (64, 28672, 4096)]:
     consts = dict(BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
                   CHUNK=p["chunk"], SPLITS=p["splits"], PDL=True)
     sig = {"x_ptr": "*fp16", "w_ptr": "*fp16", "part_ptr": "*fp32", "y_ptr": "*fp16",
-           "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
-           **{name: "constexpr" for name in consts}}
-    src = triton.compiler.ASTSource(fn=sk._split_k_gemm, signature=sig, constexprs=consts)
-    options = {"num_warps": p["num_warps"], "num_stages": p["num_stages"]}
-    asm = triton.compile(src, target=SM90, options=options).asm
+           "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32"}
+    asm = compile_sm90(sk._split_k_gemm, sig, consts, num_warps=p["num_warps"],
+                       num_stages=p["num_stages"])
     registers, stores, loads = ptxas_report(asm["ptx"])
     print(rows, n, k, p["block_n"], p["num_warps"], "wgmma" in asm["ptx"], f"{stores}/{loads}")
 """
