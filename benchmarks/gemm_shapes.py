@@ -1,6 +1,6 @@
-"""The rate cuBLAS (and the split-K GEMM at decode sizes) gives a model's dense projections at
-every token count a step can have, for each way of asking it: the figures behind the choice of
-how a step's GEMMs are called (GPU only).
+"""The rate cuBLAS gives a model's dense projections at every token count a step can have, for
+each way of asking it: the figures behind the choice of how a step's GEMMs are called (GPU
+only).
 
     python3 benchmarks/gemm_shapes.py [--model 8b|1b] [--tokens 64:1024:64,1536,2048,4096]
         [--out gemm.json]
@@ -8,13 +8,12 @@ how a step's GEMMs are called (GPU only).
 For each projection (qkv, o, gate_up, down of the Llama geometry) and each token count M:
 ``linear`` is ``F.linear(x, W)`` with W stored ``[out, in]`` as the executor holds it; ``lt`` is
 the same call with cuBLASLt as torch's BLAS library; ``nn`` is ``x @ W_t`` with the weight
-stored ``[in, out]``; ``splitk`` (at most 64 tokens) is the split-K GEMM of
-`trtc.plugins.kernels.split_k_gemm` with its plan, checked against ``linear`` first, and at 64
-tokens the best of its tile / split variants is printed beside it. A call's time is the median
-of CUDA-event timings of 20 back-to-back calls (`timing.median_ms`), each reading a weight of
-tens to hundreds of MB; TFLOP/s is 2 M N K over it. The summary names, per projection, the
-token counts where a variant, or the same call at a larger M (padding) or in two calls (a split
-at a multiple of 128), is at least 10% faster than ``linear``.
+stored ``[in, out]``. A call's time is the median of CUDA-event timings of 20 back-to-back
+calls (`timing.median_ms`), each reading a weight of tens to hundreds of MB (the 8B model's o
+projection, 33.5 MB, fits an H100's L2, so part of its reads may hit there); TFLOP/s is 2 M N K
+over it. The summary names, per projection, the token counts where a variant, or the same call
+at a larger M (padding) or in two calls (a split at a multiple of 128), is at least 10% faster
+than ``linear``.
 """
 
 from __future__ import annotations
@@ -26,11 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from trtc.plugins.kernels import split_k_gemm as split_k
-
 from timing import median_ms
-
-TOLERANCE = dict(atol=2e-2, rtol=2e-2)  # fp16 sums of 4,096-14,336 products, other orders
 
 MODELS = {
     # name: (hidden, q + 2 kv width, intermediate)
@@ -64,7 +59,7 @@ def time_projection(n: int, k: int, tokens: list[int]) -> dict[str, dict[int, fl
     w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
     wt = w.t().contiguous()
     x_all = torch.randn(max(tokens), k, device=dev, dtype=dt)
-    rows: dict[str, dict[int, float]] = {"linear": {}, "lt": {}, "nn": {}, "splitk": {}}
+    rows: dict[str, dict[int, float]] = {"linear": {}, "lt": {}, "nn": {}}
     for m in tokens:
         x = x_all[:m]
         rows["linear"][m] = time_call(partial(F.linear, x, w))
@@ -74,23 +69,9 @@ def time_projection(n: int, k: int, tokens: list[int]) -> dict[str, dict[int, fl
             rows["lt"][m] = time_call(partial(F.linear, x, w))
         finally:
             torch.backends.cuda.preferred_blas_library("cublas")
-        if split_k.supports(x, w):
-            torch.testing.assert_close(split_k.split_k_gemm(x, w), F.linear(x, w), **TOLERANCE)
-            rows["splitk"][m] = time_call(partial(split_k.split_k_gemm, x, w))
-        here = [v for v in rows if m in rows[v]]
-        tf = {v: 2 * m * n * k / (rows[v][m] * 1e-3) / 1e12 for v in here}
-        cols = "  ".join(f"{v} {rows[v][m] * 1e3:8.1f} us {tf[v]:5.0f} TF" for v in here)
+        tf = {v: 2 * m * n * k / (rows[v][m] * 1e-3) / 1e12 for v in rows}
+        cols = "  ".join(f"{v} {rows[v][m] * 1e3:8.1f} us {tf[v]:5.0f} TF" for v in rows)
         print(f"[{n}x{k}] M={m:5d} {cols}", flush=True)
-        if m == split_k.MAX_ROWS:
-            best = min(
-                (time_call(partial(split_k.split_k_gemm, x, w, block_n=bn, splits=sp)), bn, sp)
-                for bn in (32, 64, 128)
-                for sp in (2, 4, 8, 16)
-            )
-            print(
-                f"  splitk variants: best {best[0] * 1e3:.1f} us "
-                f"(block_n {best[1]}, splits {best[2]})"
-            )
     return rows
 
 
@@ -116,8 +97,8 @@ def main() -> None:
         lin = rows["linear"]
         for m in tokens:
             best, how = lin[m], "linear"
-            for v in ("lt", "nn", "splitk"):
-                if m in rows[v] and rows[v][m] < best:
+            for v in ("lt", "nn"):
+                if rows[v][m] < best:
                     best, how = rows[v][m], v
             for m2 in tokens:  # padding: the same call on more rows
                 if m2 > m and lin[m2] < best:
