@@ -10,6 +10,12 @@ proposal's drafts in the step, if the budget and the pool allow; otherwise the d
 dropped, never another sequence preempted for them. Its verified tokens are appended by
 ``postprocess``, which gives back the slots of rejected drafts.
 
+An executor that runs multi-token steps padded up to token buckets (the CUDA executor's graphs)
+names them, and a step that would land just above one is cut down to it: the last prefill
+chunk gives up the tokens above the bucket to the next step, when they are fewer than the
+padding the step would otherwise run (the deferred tokens are computed anyway; the padding is
+not).
+
 When the pool has no block left for a running sequence, the most recently admitted sequences are
 preempted: their blocks are freed and they go back to the front of the queue, to be recomputed
 (prompt and generated tokens alike) once there is room. No request fails for lack of cache, because
@@ -52,12 +58,25 @@ class ScheduledBatch:
     # sequences that ended meanwhile are left out).
     ahead_rows: list[int] | None = None
 
-    def add(self, seq: Sequence, num_new_tokens: int, proposal: Proposal | None = None) -> None:
-        """``num_new_tokens`` of ``seq``'s uncomputed tokens, and ``proposal``'s drafts."""
+    # Per row: tokens of its sequence that the step before this one computes and the host has
+    # not counted yet (a prompt chunk continued in a step scheduled ahead); this step's tokens
+    # start after them.
+    pending: list[int] = field(default_factory=list)
+
+    def add(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        proposal: Proposal | None = None,
+        pending: int = 0,
+    ) -> None:
+        """``num_new_tokens`` of ``seq``'s uncomputed tokens (after its first ``pending``), and
+        ``proposal``'s drafts."""
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens + (len(proposal) if proposal else 0))
         self.proposals.append(proposal)
-        self.samples.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+        self.samples.append(seq.num_computed_tokens + pending + num_new_tokens == seq.num_tokens)
+        self.pending.append(pending)
 
     @property
     def speculative(self) -> bool:
@@ -85,14 +104,14 @@ class ScheduledBatch:
             SequenceWork([0], seq.num_tokens, list(seq.block_table))
             for seq in self.seqs[: self.ahead]
         ]
-        rows = zip(self.seqs, self.num_new_tokens, self.proposals)
-        for seq, n, proposal in itertools.islice(rows, self.ahead, None):
+        rows = zip(self.seqs, self.num_new_tokens, self.proposals, self.pending)
+        for seq, n, proposal, pending in itertools.islice(rows, self.ahead, None):
             if proposal:
                 w = seq.to_work(n - len(proposal))
                 w.new_tokens += proposal.tokens
                 w.num_logits = 1 + len(proposal)
             else:
-                w = seq.to_work(n)
+                w = seq.to_work(n, skip=pending)
             work.append(w)
         return work
 
@@ -108,9 +127,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_id: int | Iterable[int] | None = None,
         long_prefill_threshold: int = 0,
+        token_buckets: Iterable[int] = (),
     ):
         """``long_prefill_threshold`` caps one sequence's prefill chunk per step (0 = no cap), so
-        that a long prompt leaves room in the budget for others to start."""
+        that a long prompt leaves room in the budget for others to start. ``token_buckets``: the
+        token counts the executor pads a multi-token step up to (none: it runs each as it is)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or long_prefill_threshold < 0:
             raise ValueError(
                 f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
@@ -121,6 +142,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_threshold = long_prefill_threshold
+        self.token_buckets = sorted(set(token_buckets))
         if eos_token_id is None:
             self.eos_token_ids: frozenset[int] = frozenset()
         elif isinstance(eos_token_id, int):
@@ -192,6 +214,7 @@ class Scheduler:
         # the preempted sequences, first in line, would only take back the blocks just freed).
         if not batch.preempted:
             self._admit(batch, budget)
+        self._fit_to_bucket(batch)
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -212,33 +235,40 @@ class Scheduler:
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The step after ``batch``, scheduled while ``batch`` still runs (before its sampled tokens
-        are known): each of its sequences decodes the token ``batch`` samples for it, and waiting
-        sequences are admitted after them as ``schedule`` would (their prompts are known). That
-        is what ``schedule`` would give next whenever every running sequence is in ``batch`` and
-        samples and the pool has a slot for each; otherwise None, and the caller schedules
+        are known): each of its sequences that samples decodes the token ``batch`` samples for
+        it, each whose prompt ``batch`` computes a chunk of continues with the next chunk, and
+        waiting sequences are admitted after them as ``schedule`` would (prompts are known).
+        That is what ``schedule`` would give next whenever every running sequence is in
+        ``batch`` and the pool has a slot for each; otherwise None, and the caller schedules
         normally once the tokens are in. (Admitting here matters to a server: a request that
         arrives while steps run would otherwise stop the pipeline for a step.)
 
         A row whose sequence stops on the token ``batch`` samples (EOS, a stop string, an abort)
         is computed for nothing and dropped by ``postprocess``; sequences that reach max_tokens
         with it are known in advance, so a step of nothing but those is not scheduled. Rows of
-        ``batch`` whose sequences ended since it was scheduled are left out (``ahead_rows``)."""
+        ``batch`` whose sequences ended since it was scheduled are left out (``ahead_rows``
+        names the rows of ``batch`` the decoding rows take their tokens from)."""
         rows = [i for i, seq in enumerate(batch.seqs) if seq.status is SequenceStatus.RUNNING]
+        decoding = [i for i in rows if batch.samples[i]]
+        chunks = [i for i in rows if not batch.samples[i]]
         if (
             batch.speculative
-            or not rows
+            or not decoding
             or len(rows) != len(self.running)
-            or len(rows) > self.max_num_batched_tokens
-            or not all(batch.samples)
-            or all(
-                batch.seqs[i].num_output_tokens + 1 >= batch.seqs[i].params.max_tokens for i in rows
+            or len(decoding) > self.max_num_batched_tokens
+            or (
+                not chunks
+                and all(
+                    batch.seqs[i].num_output_tokens + 1 >= batch.seqs[i].params.max_tokens
+                    for i in decoding
+                )
             )
         ):
             return None
-        ahead = ScheduledBatch(ahead=len(rows))
-        if len(rows) < len(batch):
-            ahead.ahead_rows = rows
-        for seq in (batch.seqs[i] for i in rows):
+        ahead = ScheduledBatch(ahead=len(decoding))
+        if len(decoding) < len(batch):
+            ahead.ahead_rows = decoding
+        for seq in (batch.seqs[i] for i in decoding):
             # Room for the position after the sampled token's: num_tokens + 1 once it is appended.
             if not self.block_manager.ensure_capacity(seq, seq.num_tokens + 1):
                 return None  # growing the others was not wasted: the next step needs it
@@ -246,8 +276,41 @@ class Scheduler:
             ahead.num_new_tokens.append(1)
             ahead.proposals.append(None)
             ahead.samples.append(True)
-        self._admit(ahead, self.max_num_batched_tokens - len(ahead))
+            ahead.pending.append(0)
+        budget = self.max_num_batched_tokens - len(decoding)
+        for i in chunks:
+            # ``batch``'s chunk: not yet counted (the step before it has been, `postprocess`)
+            seq, pending = batch.seqs[i], batch.num_new_tokens[i]
+            computed = seq.num_computed_tokens + pending
+            n = self._chunk(seq, seq.num_tokens - computed, budget)
+            if n < 1 or not self.block_manager.ensure_capacity(seq, computed + n):
+                return None
+            ahead.add(seq, n, pending=pending)
+            budget -= n
+        self._admit(ahead, budget)
+        self._fit_to_bucket(ahead)
         return ahead
+
+    def _fit_to_bucket(self, batch: ScheduledBatch) -> None:
+        """Cut ``batch``'s last row, a prefill chunk, so that the step's tokens fill the token
+        bucket below them, when that defers fewer tokens to the next step than the executor
+        would pad this one with. The row keeps at least one token; the blocks allocated for
+        the rest stay with its sequence, for the next step (which `schedule_ahead` can queue:
+        it continues the chunk)."""
+        buckets, total = self.token_buckets, batch.num_tokens
+        if not buckets or total <= len(batch) or total > buckets[-1] or total in buckets:
+            return  # decode-only, run eagerly (no padding), or exact
+        below = [b for b in buckets if len(batch) < b < total]
+        if not below or batch.speculative:
+            return
+        above = next(b for b in buckets if b > total)
+        cut = total - below[-1]
+        i = len(batch) - 1
+        n = batch.num_new_tokens[i]
+        if cut >= above - total or i < batch.ahead or n <= cut:
+            return
+        batch.num_new_tokens[i] = n - cut
+        batch.samples[i] = False  # its last ``cut`` tokens are left for the next step
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> Proposal | None:
         """``seq``'s proposal (taken from it), if the step can run all of its uncomputed tokens

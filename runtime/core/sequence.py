@@ -94,9 +94,10 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def to_work(self, num_new_tokens: int) -> SequenceWork:
-        """This sequence's share of the next step: its next ``num_new_tokens`` uncomputed tokens."""
-        start = self.num_computed_tokens
+    def to_work(self, num_new_tokens: int, skip: int = 0) -> SequenceWork:
+        """This sequence's share of the next step: its next ``num_new_tokens`` uncomputed tokens
+        after the first ``skip`` (computed by a step still running)."""
+        start = self.num_computed_tokens + skip
         if not 1 <= num_new_tokens <= len(self.token_ids) - start:
             raise ValueError(
                 f"{self.request_id!r}: cannot schedule {num_new_tokens} tokens, "

@@ -125,6 +125,7 @@ class LLMEngine:
             config.max_num_batched_tokens or limits.max_num_tokens,
             eos_token_id=eos,
             long_prefill_threshold=config.long_prefill_threshold,
+            token_buckets=getattr(self.executor, "step_token_buckets", ()),
         )
         self.sampler = Sampler()
         self.async_scheduling = self._async_scheduling(config.async_scheduling)
@@ -239,9 +240,10 @@ class LLMEngine:
         argmax to its inputs on the device), so the host's scheduling, input preparation and
         output handling overlap the GPU instead of leaving it idle between steps (tokens are
         drawn on the device, seeded requests from their own generator there). A step goes
-        ahead when every running sequence samples in this one (rows of sequences that ended
-        meanwhile are left out); waiting requests are admitted into it. A step that preempts,
-        or that finishes every row by length, waits."""
+        ahead when every running sequence is in this one and some row samples: a sampling
+        row decodes its token, a prompt chunk continues with the next (rows of sequences that
+        ended meanwhile are left out); waiting requests are admitted into it. A step that
+        preempts, or that finishes every row by length, waits."""
         launched, self._ahead = self._ahead, None
         if launched is not None and not launched.batch.has_running():
             launched = None  # every row finished or was aborted since it was queued
@@ -326,16 +328,15 @@ class LLMEngine:
             tokens = self._verify(batch, logits)
             return LaunchedStep(batch, None, lambda: tokens)
         every_row = all(batch.samples)
-        if self.async_scheduling and (every_row or batch.ahead):
-            # Drawn on the device: nothing waits for the step here. In a step queued ahead, a
-            # prompt chunk that does not end its prompt takes the argmax, ignored (its
-            # request's generator untouched); only a step whose every row samples gives the
-            # next step its ids.
+        if self.async_scheduling and any(batch.samples):
+            # Drawn on the device: nothing waits for the step here. A prompt chunk that does
+            # not end its prompt takes the argmax, ignored (its request's generator
+            # untouched); the next step takes the ids of the rows that sample.
             rows = list(zip(batch.seqs, batch.samples))
             params = [s.params if ok else GREEDY for s, ok in rows]
             generators = [self.generators[s.request_id] if ok else None for s, ok in rows]
             ids = self.sampler.sample_on_device(logits, params, generators)
-            return LaunchedStep(batch, ids if every_row else None, self.readback.start(ids))
+            return LaunchedStep(batch, ids, self.readback.start(ids))
         sampling = [i for i, s in enumerate(batch.samples) if s]
         tokens: list[int | None] = [None] * len(batch)
         if sampling:

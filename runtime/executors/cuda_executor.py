@@ -422,6 +422,12 @@ class CudaExecutor(TorchExecutor):
                 logits = out.copy_(logits)
         return graph, logits
 
+    @property
+    def step_token_buckets(self) -> list[int]:
+        """The token counts a prefill or mixed step is padded up to (the mixed-step graphs';
+        longer steps run eagerly, as they are). The scheduler fits steps to them."""
+        return list(self.mixed_sizes)
+
     @torch.inference_mode()
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """As the torch executor's, but nothing waits for the GPU: the logits stay on it (the

@@ -234,3 +234,69 @@ def test_work_is_valid_for_the_step_contract():
     for s, w in zip(batch.seqs, batch.to_work()):
         assert len(w.block_table) * 16 >= w.num_cached + len(w.new_tokens)
         assert w.block_table == s.block_table
+
+
+BUCKETS = (16, 32, 64, 128)
+
+
+def _decoding(sched, model, n):
+    """``n`` sequences past their prompts (one step of 4-token prompts), decoding."""
+    seqs = [seq(f"d{i}", 4, max_tokens=40, start=200 + 10 * i) for i in range(n)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    sched.postprocess(batch, model.step(batch))
+    return seqs
+
+
+def test_a_step_just_above_a_token_bucket_is_cut_down_to_it():
+    """3 decode rows + a 70-token prompt = 73 tokens, which the executor would pad to 128: the
+    prompt's chunk gives its last 9 tokens to the next step (9 deferred < 55 padded)."""
+    outputs = {}
+    for buckets in (BUCKETS, ()):
+        sched, model = make(num_blocks=128, budget=256, token_buckets=buckets)
+        decoding = _decoding(sched, model, 3)
+        prompt = seq("p", 70, max_tokens=5, start=600)
+        sched.add(prompt)
+        batch = sched.schedule()
+        if buckets:
+            assert batch.num_new_tokens == [1, 1, 1, 61] and batch.num_tokens == 64
+            assert batch.samples == [True, True, True, False]
+            sched.postprocess(batch, model.step(batch))
+            assert prompt.num_computed_tokens == 61 and prompt.num_output_tokens == 0
+            nxt = sched.schedule()  # 12 tokens: no bucket between the 4 rows and them
+            assert nxt.num_new_tokens == [1, 1, 1, 9] and nxt.samples[-1]
+            sched.postprocess(nxt, model.step(nxt))
+        else:
+            assert batch.num_new_tokens == [1, 1, 1, 70]
+            sched.postprocess(batch, model.step(batch))
+        run(sched, model)
+        outputs[buckets] = [s.output_token_ids for s in (*decoding, prompt)]
+        assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert outputs[BUCKETS] == outputs[()]  # the same tokens, computed in other steps
+
+
+@pytest.mark.parametrize(
+    "prompt_len,budget,want",
+    [
+        (117, 256, 117),  # 120 tokens: 56 to defer against 8 of padding, kept whole
+        (130, 256, 130),  # 133 tokens: above the last bucket, run eagerly without padding
+        (61, 256, 61),  # 64 tokens: a bucket exactly
+        (70, 256, 61),  # 73 tokens: cut (the test above)
+    ],
+)
+def test_a_step_is_cut_only_where_it_defers_fewer_tokens_than_it_pads(prompt_len, budget, want):
+    sched, model = make(num_blocks=128, budget=budget, token_buckets=BUCKETS)
+    _decoding(sched, model, 3)
+    sched.add(seq("p", prompt_len, max_tokens=2, start=600))
+    assert sched.schedule().num_new_tokens == [1, 1, 1, want]
+
+
+def test_a_step_is_not_cut_where_its_last_row_would_keep_no_token():
+    """1 decode row + prompts of 34 and 5 tokens: 40 tokens, 8 above the 32 bucket (against 24
+    of padding), but the last row has only 5."""
+    sched, model = make(num_blocks=128, budget=256, token_buckets=BUCKETS)
+    _decoding(sched, model, 1)
+    sched.add(seq("a", 34, max_tokens=2, start=600))
+    sched.add(seq("b", 5, max_tokens=2, start=700))
+    assert sched.schedule().num_new_tokens == [1, 34, 5]

@@ -59,10 +59,11 @@ def _requests():
 
 
 @pytest.mark.parametrize("num_blocks", [64, 12])  # 12: short pool, preemption on the way
-def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks):
+@pytest.mark.parametrize("token_buckets", [(), (8, 16, 24, 32, 40, 48)])  # one cut down to a bucket
+def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks, token_buckets):
     results = []
     for pipelined in (False, True):
-        sched, model = make(num_blocks=num_blocks, budget=48)
+        sched, model = make(num_blocks=num_blocks, budget=48, token_buckets=token_buckets)
         reqs = _requests()
         for r in reqs:
             sched.add(r)
@@ -103,6 +104,33 @@ def test_schedule_ahead_continues_every_row_and_admits_who_waits():
     assert not sched.waiting and short.status is SequenceStatus.RUNNING
     work = after.to_work()
     assert work[0].new_tokens == [0] and work[1].new_tokens == short.token_ids
+
+
+def test_a_prompt_chunk_continues_in_the_step_ahead():
+    """A step with a decoding row and a prompt chunk that does not end its prompt goes ahead:
+    the decoding row takes its device token, the chunk continues after the tokens the running
+    step computes (not yet counted by the host)."""
+    sched, model = make(budget=16)
+    a, b = seq("a", 4, max_tokens=5), seq("b", 40, max_tokens=2, start=600)
+    sched.add(a)
+    first = sched.schedule()
+    sched.postprocess(first, model.step(first))  # a decodes now
+    sched.add(b)
+    second = sched.schedule()
+    assert second.num_new_tokens == [1, 15] and second.samples == [True, False]
+    second_tokens = model.step(second)
+    third = sched.schedule_ahead(second)  # queued before second's tokens are read
+    assert third is not None and third.ahead == 1 and third.ahead_rows == [0]
+    assert third.seqs == [a, b] and third.num_new_tokens == [1, 15] and third.pending == [0, 15]
+    work = third.to_work()
+    assert work[1].num_cached == 15 and work[1].new_tokens == b.token_ids[15:30]
+    third_tokens = model.step(third, input_ids=[second_tokens[0]])  # b's KV checked by the fake
+    sched.postprocess(second, second_tokens)
+    fourth = sched.schedule_ahead(third)  # b's last 10 tokens: it samples
+    assert fourth.seqs == [a, b] and fourth.pending == [0, 15] and fourth.samples == [True, True]
+    model.step(fourth, input_ids=[third_tokens[0]])
+    sched.postprocess(third, third_tokens)
+    assert b.num_computed_tokens == 30 and a.num_output_tokens == 3
 
 
 def test_rows_of_sequences_that_ended_are_left_out_of_the_step_ahead():
