@@ -46,11 +46,6 @@ class TensorParallelExecutor:
 
     takes_device_input_ids = True
 
-    @property
-    def step_token_buckets(self) -> list[int]:
-        """Rank 0's (every rank runs the step the same way)."""
-        return getattr(self.inner, "step_token_buckets", [])
-
     def __init__(self, artifact: Artifact, kind: str, num_blocks: int | None):
         self.world_size = artifact.manifest.parallel.tensor
         on_gpu = kind == "cuda"
@@ -130,6 +125,11 @@ class TensorParallelExecutor:
             if w.is_alive():
                 w.kill()
                 w.join()
+
+    @property
+    def step_token_buckets(self) -> list[int]:
+        """Rank 0's (every rank runs the step the same way)."""
+        return getattr(self.inner, "step_token_buckets", [])
 
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self._lock:
