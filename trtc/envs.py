@@ -61,6 +61,12 @@ ENVIRONMENT: dict[str, tuple[Callable[[], Any], str]] = {
         "replaying them from graphs captured per token bucket (which hold GPU memory: the "
         "largest bucket's activations)",
     ),
+    "TRTC_FIT_TOKEN_BUCKETS": (
+        _flag("TRTC_FIT_TOKEN_BUCKETS", True),
+        "0: the scheduler does not cut a prefill / mixed step down to the executor's token "
+        "bucket below it (by default it does when that defers fewer prompt tokens to the next "
+        "step than the bucket above would pad)",
+    ),
     "TRTC_TUNING": (
         _flag("TRTC_TUNING", True),
         "0: the cuda executor ignores an artifact's `trtc tune` kernels and choices (compiles "

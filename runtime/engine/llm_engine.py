@@ -125,7 +125,11 @@ class LLMEngine:
             config.max_num_batched_tokens or limits.max_num_tokens,
             eos_token_id=eos,
             long_prefill_threshold=config.long_prefill_threshold,
-            token_buckets=getattr(self.executor, "step_token_buckets", ()),
+            token_buckets=(
+                getattr(self.executor, "step_token_buckets", ())
+                if envs.TRTC_FIT_TOKEN_BUCKETS
+                else ()
+            ),
         )
         self.sampler = Sampler()
         self.async_scheduling = self._async_scheduling(config.async_scheduling)
