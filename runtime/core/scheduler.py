@@ -24,6 +24,7 @@ preempted: their blocks are freed and they go back to the front of the queue, to
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -297,20 +298,25 @@ class Scheduler:
         would pad this one with. The row keeps at least one token; the blocks allocated for
         the rest stay with its sequence, for the next step (which `schedule_ahead` can queue:
         it continues the chunk)."""
-        buckets, total = self.token_buckets, batch.num_tokens
-        if not buckets or total <= len(batch) or total > buckets[-1] or total in buckets:
-            return  # decode-only, run eagerly (no padding), or exact
-        below = [b for b in buckets if len(batch) < b < total]
-        if not below or batch.speculative:
+        buckets = self.token_buckets
+        if not buckets:
             return
-        above = next(b for b in buckets if b > total)
-        cut = total - below[-1]
-        i = len(batch) - 1
-        n = batch.num_new_tokens[i]
-        if cut >= above - total or i < batch.ahead or n <= cut:
+        total = batch.num_tokens
+        j = bisect.bisect_left(buckets, total)  # buckets[j]: the one the step is padded to
+        if total <= len(batch) or j == len(buckets) or buckets[j] == total or j == 0:
+            return  # decode-only, run eagerly (no padding), exact, or nothing below
+        cut = total - buckets[j - 1]
+        n = batch.num_new_tokens[-1]
+        # A decode row (n = 1) is never cut: n <= cut.
+        if (
+            batch.speculative
+            or buckets[j - 1] <= len(batch)
+            or cut >= buckets[j] - total
+            or n <= cut
+        ):
             return
-        batch.num_new_tokens[i] = n - cut
-        batch.samples[i] = False  # its last ``cut`` tokens are left for the next step
+        batch.num_new_tokens[-1] = n - cut
+        batch.samples[-1] = False  # its last ``cut`` tokens are left for the next step
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> Proposal | None:
         """``seq``'s proposal (taken from it), if the step can run all of its uncomputed tokens

@@ -32,7 +32,9 @@ class Executor(Protocol):
         An executor with ``takes_device_input_ids = True`` also takes ``input_ids=`` a tensor on
         its device that replaces the first ``len(input_ids)`` of the step's (async scheduling:
         the previous step's sampled ids, one per row it decodes; rows admitted after them bring
-        their own)."""
+        their own). An executor that pads multi-token steps up to token buckets names them in
+        ``step_token_buckets`` (the scheduler fits steps to them); one without runs each step
+        at its own size."""
 
 
 def default_num_blocks(manifest: Manifest, kv_cache_memory: int, max_num_seqs: int) -> int:

@@ -277,16 +277,16 @@ def test_a_step_just_above_a_token_bucket_is_cut_down_to_it():
 
 
 @pytest.mark.parametrize(
-    "prompt_len,budget,want",
+    "prompt_len,want",
     [
-        (117, 256, 117),  # 120 tokens: 56 to defer against 8 of padding, kept whole
-        (130, 256, 130),  # 133 tokens: above the last bucket, run eagerly without padding
-        (61, 256, 61),  # 64 tokens: a bucket exactly
-        (70, 256, 61),  # 73 tokens: cut (the test above)
+        (117, 117),  # 120 tokens: 56 to defer against 8 of padding, kept whole
+        (130, 130),  # 133 tokens: above the last bucket, run eagerly without padding
+        (61, 61),  # 64 tokens: a bucket exactly
+        (70, 61),  # 73 tokens: cut (the test above)
     ],
 )
-def test_a_step_is_cut_only_where_it_defers_fewer_tokens_than_it_pads(prompt_len, budget, want):
-    sched, model = make(num_blocks=128, budget=budget, token_buckets=BUCKETS)
+def test_a_step_is_cut_only_where_it_defers_fewer_tokens_than_it_pads(prompt_len, want):
+    sched, model = make(num_blocks=128, budget=256, token_buckets=BUCKETS)
     _decoding(sched, model, 3)
     sched.add(seq("p", prompt_len, max_tokens=2, start=600))
     assert sched.schedule().num_new_tokens == [1, 1, 1, want]
