@@ -33,7 +33,13 @@ from trtc.compiler.parallel import (
 )
 from trtc.compiler.passes.pipeline import check_report, fusion_report, run_passes
 from trtc.compiler.progress import Progress
-from trtc.compiler.source import LoadedSource, load_hf_config, load_source, max_seq_len
+from trtc.compiler.source import (
+    LoadedSource,
+    gguf_parsed_once,
+    load_hf_config,
+    load_source,
+    max_seq_len,
+)
 from trtc.compiler.weights import plan_weights
 from trtc.errors import BuildError, ConfigError
 from trtc.plugins import PLUGINS
@@ -255,6 +261,31 @@ def _quantize(cfg: BuildConfig, loaded: LoadedSource, staging: Path, progress: P
     return (result if q.method != "none" else None), kv_scales
 
 
+def _check_and_load(cfg: BuildConfig, progress: Progress) -> LoadedSource:
+    """The check and load stages: the config read and checked before any weights load. A GGUF
+    file's metadata is parsed once for both (`gguf_parsed_once`)."""
+    with gguf_parsed_once(cfg.model.source == "gguf"):
+        with progress.stage("check", "reading the model config") as done:
+            hf_config = load_hf_config(cfg)
+            done["detail"] = f"{type(hf_config).__name__.replace('Config', '')}"
+        check_group_size(cfg, hf_config)
+        check_tensor_parallel(
+            cfg.parallel.tensor,
+            geometry_from_config(hf_config),
+            cfg.quantization.method,
+            cfg.quantization.group_size,
+        )
+        with progress.stage("load", f"opening the {cfg.model.source} checkpoint") as done:
+            loaded = load_source(cfg, hf_config)
+            g = loaded.geometry
+            how = "streamed from disk" if loaded.streamed else "in memory"
+            done["detail"] = (
+                f"{g.architecture}, {g.num_layers} layers, "
+                f"{gb(loaded.weights.nbytes)} of weights ({how})"
+            )
+    return loaded
+
+
 def build(
     cfg: BuildConfig,
     output: str | None = None,
@@ -268,26 +299,10 @@ def build(
     created = datetime.now(UTC).isoformat(timespec="seconds")
     with writer.staging_dir(out_dir, force, log=progress.log) as staging:
         progress.log(f"building {cfg.artifact_name} ({cfg.precision}) -> {out_dir}")
-        with progress.stage("check", "reading the model config") as done:
-            hf_config = load_hf_config(cfg)
-            done["detail"] = f"{type(hf_config).__name__.replace('Config', '')}"
-        check_group_size(cfg, hf_config)
+        loaded = _check_and_load(cfg, progress)
+        g = loaded.geometry
+        seq_len = max_seq_len(cfg, g)
         ranks = cfg.parallel.tensor
-        check_tensor_parallel(
-            ranks,
-            geometry_from_config(hf_config),
-            cfg.quantization.method,
-            cfg.quantization.group_size,
-        )
-        with progress.stage("load", f"opening the {cfg.model.source} checkpoint") as done:
-            loaded = load_source(cfg)
-            g = loaded.geometry
-            seq_len = max_seq_len(cfg, g)
-            how = "streamed from disk" if loaded.streamed else "in memory"
-            done["detail"] = (
-                f"{g.architecture}, {g.num_layers} layers, "
-                f"{gb(loaded.weights.nbytes)} of weights ({how})"
-            )
         dtype = contract.TORCH_DTYPES[cfg.precision]
         quantized, kv_scales = _quantize(cfg, loaded, staging, progress)
         g_rank = rank_geometry(g, ranks)

@@ -9,8 +9,12 @@ loaded by transformers into memory (fp32: four bytes a parameter) and read from 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +105,43 @@ def _quiet_gguf_progress() -> None:
         gguf_utils.tqdm = partial(gguf_utils.tqdm, disable=True)
 
 
+@contextlib.contextmanager
+def gguf_parsed_once(active: bool = True) -> Iterator[None]:
+    """Within this block each GGUF file is parsed once and gguf's tensor-name map built once
+    (``active``: the checkpoint is a GGUF file; otherwise the block does nothing).
+
+    transformers parses a GGUF file's metadata anew for the config, for the weights and for the
+    tokenizer (gguf's reader walks every field, the tokenizer's vocabulary one entry at a time:
+    about 5 s for SmolLM2's 49k tokens on two cores), and builds gguf's tensor-name map again
+    for every module of the model (397 times for SmolLM2: 8 s). Both are pure functions of their
+    arguments (the reader opens the file read-only; the map is only read), so they are memoized
+    here for the block's length: SmolLM2's load stage takes 7 s instead of 29 (BENCHMARKS.md,
+    "Build time and memory"). transformers imports both names from gguf when it calls them,
+    which is what lets the block swap them; they are put back on the way out."""
+    if not active:
+        yield
+        return
+    import gguf
+
+    read, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def reader(path, mode: str = "r"):
+        if mode != "r":
+            return read(path, mode)
+        st = os.stat(path)  # a file replaced or rewritten meanwhile is parsed again
+        key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in readers:
+            readers[key] = read(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = read, name_map
+
+
 def _streamable(cfg: BuildConfig) -> bool:
     """An HF directory of safetensors, no adapter to merge: weights stream from disk."""
     if cfg.model.source != "hf" or cfg.model.lora is not None:
@@ -109,13 +150,20 @@ def _streamable(cfg: BuildConfig) -> bool:
     return (path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()
 
 
-def load_source(cfg: BuildConfig) -> LoadedSource:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_source(cfg: BuildConfig, config=None) -> LoadedSource:
+    """The checkpoint ``cfg`` names; ``config``: its transformers config where the caller has
+    read it already (`load_hf_config`)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the build shows its own per-stage progress
     _quiet_gguf_progress()
-    config = load_hf_config(cfg)
+    with gguf_parsed_once(cfg.model.source == "gguf"):
+        return _load_source(cfg, config if config is not None else load_hf_config(cfg))
+
+
+def _load_source(cfg: BuildConfig, config) -> LoadedSource:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     geometry = geometry_from_config(config)
     max_seq_len(cfg, geometry)
     lora_record = None
@@ -176,4 +224,5 @@ def load_source_model(source: dict, dtype: torch.dtype = torch.float32):
     if source["kind"] == "tiny":
         return tiny_model(source["path"], source.get("seed", 0)).to(dtype)
     where, kwargs = _hf_location(source["kind"], Path(source["path"]))
-    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
+    with gguf_parsed_once(source["kind"] == "gguf"):
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
