@@ -115,9 +115,10 @@ def gguf_parsed_once(active: bool = True) -> Iterator[None]:
     about 5 s for SmolLM2's 49k tokens on two cores), and builds gguf's tensor-name map again
     for every module of the model (397 times for SmolLM2: 8 s). Both are pure functions of their
     arguments (the reader opens the file read-only; the map is only read), so they are memoized
-    here for the block's length: SmolLM2's load stage takes 7 s instead of 29 (BENCHMARKS.md,
-    "Build time and memory"). transformers imports both names from gguf when it calls them,
-    which is what lets the block swap them; they are put back on the way out."""
+    here for the block's length: SmolLM2's check and load stages take 15 s instead of 34
+    (BENCHMARKS.md, "Build time and memory"). transformers imports both names from gguf when it
+    calls them, which is what lets the block swap them (for the process: a build loads in one
+    thread); they are put back on the way out."""
     if not active:
         yield
         return
