@@ -321,7 +321,7 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
         """Queue ``batch`` on the executor and start sampling it. An async engine leaves the
-        token ids of a step whose every row samples on the device (read later)."""
+        token ids of a step in which some row samples on the device (read later)."""
         step = make_step(batch.to_work(), self.executor.block_size)
         logits = (
             self.executor.execute(step)
@@ -331,7 +331,6 @@ class LLMEngine:
         if batch.speculative:
             tokens = self._verify(batch, logits)
             return LaunchedStep(batch, None, lambda: tokens)
-        every_row = all(batch.samples)
         if self.async_scheduling and any(batch.samples):
             # Drawn on the device: nothing waits for the step here. A prompt chunk that does
             # not end its prompt takes the argmax, ignored (its request's generator
@@ -345,7 +344,8 @@ class LLMEngine:
         tokens: list[int | None] = [None] * len(batch)
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            rows = logits if every_row else logits[sampling]  # no gather when all sample
+            # no gather when all sample
+            rows = logits if len(sampling) == len(batch) else logits[sampling]
             generators = [self.generators[s.request_id] for s in seqs]
             picked = self.sampler.sample(rows, [s.params for s in seqs], generators)
             for i, t in zip(sampling, picked):
