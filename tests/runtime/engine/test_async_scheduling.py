@@ -58,12 +58,26 @@ def _requests():
     ]
 
 
+def _count_cuts(sched) -> list[bool]:
+    """Per step scheduled from now on: whether the fit to a token bucket cut it."""
+    cuts, fit = [], sched._fit_to_bucket
+
+    def counted(batch):
+        before = batch.num_tokens
+        fit(batch)
+        cuts.append(batch.num_tokens != before)
+
+    sched._fit_to_bucket = counted
+    return cuts
+
+
 @pytest.mark.parametrize("num_blocks", [64, 12])  # 12: short pool, preemption on the way
 @pytest.mark.parametrize("token_buckets", [(), (8, 16, 24, 32, 40, 48)])  # one cut down to a bucket
 def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks, token_buckets):
     results = []
     for pipelined in (False, True):
         sched, model = make(num_blocks=num_blocks, budget=48, token_buckets=token_buckets)
+        cuts = _count_cuts(sched)
         reqs = _requests()
         for r in reqs:
             sched.add(r)
@@ -73,6 +87,7 @@ def test_pipelined_loop_gives_the_plain_loops_tokens(num_blocks, token_buckets):
             run(sched, model)
         results.append([(r.output_token_ids, r.finish_reason) for r in reqs])
         assert sched.block_manager.num_free_blocks == num_blocks
+        assert any(cuts) == bool(token_buckets)  # the buckets did cut a step
     assert results[0] == results[1]
     assert results[0][0][1] == "stop" and len(results[0][0][0]) == 7
 
