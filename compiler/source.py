@@ -151,20 +151,14 @@ def _streamable(cfg: BuildConfig) -> bool:
     return (path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()
 
 
-def load_source(cfg: BuildConfig, config=None) -> LoadedSource:
-    """The checkpoint ``cfg`` names; ``config``: its transformers config where the caller has
-    read it already (`load_hf_config`)."""
+def load_source(cfg: BuildConfig, config) -> LoadedSource:
+    """The checkpoint ``cfg`` names, whose transformers ``config`` `load_hf_config` read (the
+    build runs both inside one `gguf_parsed_once`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the build shows its own per-stage progress
     _quiet_gguf_progress()
-    with gguf_parsed_once(cfg.model.source == "gguf"):
-        return _load_source(cfg, config if config is not None else load_hf_config(cfg))
-
-
-def _load_source(cfg: BuildConfig, config) -> LoadedSource:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     geometry = geometry_from_config(config)
     max_seq_len(cfg, geometry)
     lora_record = None
