@@ -53,6 +53,7 @@ also run the PTX itself in a numpy emulator of one warp (tests/harness/ptx_emula
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ from trtc.architectures import has_feature
 from trtc.plugins.int4_gemm.reference import unpack_int4
 from trtc.plugins.int4_gemm.triton_kernels import _interpreting
 from trtc.plugins.kernels import pdl
+from trtc.plugins.kernels.pointwise import _rotate
+from trtc.plugins.paged_attention.triton_kernels import to_cache
 
 TILE_ROWS = 16  # an mma's M
 STEP_COLS = 16  # an mma's K
@@ -424,11 +427,27 @@ def _int4_fragment(
     CONSTRAINTS: tl.constexpr,
     PDL: tl.constexpr,
     SWIGLU: tl.constexpr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    cache_ptr,
+    cache_kv_stride,
+    k_scale,
+    v_scale,
+    ROTARY: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One program: ``TILES`` 16-row tiles, ``WARPS_K`` warps a tile (module docstring). Each
     tensor here has one element a thread: ``i = 32 * warp + lane``. ``SWIGLU``: the weight's
     rows are a gate/up projection's, interleaved (`interleave_gate_up`), and y is ``[T, N/2]``
-    = SwiGLU of the product."""
+    = SwiGLU of the product. ``ROTARY``: the weight is a merged q/k/v projection with each
+    head's rows interleaved (`interleave_rotary`); y is the rotated q ``[T, HEADS * 2 HALF]``,
+    and the rotated k and v go into their cache slots (`_rotary_epilogue`); the other rotary
+    operands are unused otherwise."""
     THREADS: tl.constexpr = TILES * WARPS_K * 32
     PER: tl.constexpr = 8 if TWO else 4  # accumulators a lane
     i = tl.arange(0, THREADS)
@@ -490,7 +509,34 @@ def _int4_fragment(
     for m in tl.static_range(PER):
         row = row_t + 8 * ((m % 4) // 2)
         tok = tok_t + m % 2 + 8 * (m // 4)
-        if not SWIGLU:
+        if ROTARY:
+            if m % 4 < 2:
+                _rotary_epilogue(
+                    acc[m],
+                    acc[m + 2],
+                    row,
+                    tok,
+                    T,
+                    N,
+                    bias_ptr,
+                    y_ptr,
+                    cos_ptr,
+                    sin_ptr,
+                    pos_ptr,
+                    slot_ptr,
+                    cache_ptr,
+                    cache_kv_stride,
+                    k_scale,
+                    v_scale,
+                    TILES,
+                    WARPS_K,
+                    HAS_BIAS,
+                    HEADS,
+                    KV_HEADS,
+                    HALF,
+                    FP8,
+                )
+        elif not SWIGLU:
             total = _tile_sums(acc[m], row, N, bias_ptr, TILES, WARPS_K, HAS_BIAS)
             ok = (row < N) & (tok < T)
             tl.store(y_ptr + tok.to(tl.int64) * N + row, total.to(y_ptr.dtype.element_ty), mask=ok)
@@ -507,6 +553,66 @@ def _int4_fragment(
             out_row = tile_t * 8 + (lane_t // 4)[None, :]
             ok = (out_row < N // 2) & (tok < T)
             tl.store(y_ptr + tok.to(tl.int64) * (N // 2) + out_row, silu * up, mask=ok)
+
+
+@triton.jit
+def _rotary_epilogue(
+    acc1,
+    acc2,
+    row,
+    tok,
+    T,
+    N,
+    bias_ptr,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    cache_ptr,
+    cache_kv_stride,
+    k_scale,
+    v_scale,
+    TILES: tl.constexpr,
+    WARPS_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """A merged q/k/v projection's sums, rows interleaved by `interleave_rotary`, as
+    `pointwise._qkv_rotary_write` takes the unfused product: ``acc1`` of (interleaved) row
+    ``row`` is dimension ``d`` of its head and ``acc2`` (row + 8) dimension ``d + HALF``. Each
+    rounded to q's dtype as the Int4Gemm's output is; q and k rotated by `pointwise._rotate`
+    (the same arithmetic, so the same bits); q stored, k and v written to the token's cache
+    slot (none where the slot is negative: padding)."""
+    D: tl.constexpr = 2 * HALF
+    ty = q_ptr.dtype.element_ty
+    x1 = _tile_sums(acc1, row, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
+    x2 = _tile_sums(acc2, row + 8, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
+    head = row // D
+    d = 8 * ((row % D) // 16) + row % 8  # tile j of a head holds dims 8j .. 8j + 7 (+ HALF)
+    ok = (row < N) & (tok < T)
+    tok64 = tok.to(tl.int64)
+    pos = tl.load(pos_ptr + tok64, mask=ok, other=0)
+    c = tl.load(cos_ptr + pos * HALF + d, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + pos * HALF + d, mask=ok, other=0.0)
+    r1, r2 = _rotate(x1, x2, c, s, ty)
+    is_q = head < HEADS
+    q_at = q_ptr + tok64 * (HEADS * D) + head * D + d
+    tl.store(q_at, r1, mask=ok & is_q)
+    tl.store(q_at + HALF, r2, mask=ok & is_q)
+    is_v = head >= HEADS + KV_HEADS
+    slot = tl.load(slot_ptr + tok64, mask=ok, other=-1)
+    kv_ok = ok & (head >= HEADS) & (slot >= 0)
+    kv_head = tl.where(is_v, head - HEADS - KV_HEADS, head - HEADS)
+    dst = cache_ptr + slot.to(tl.int64) * (KV_HEADS * D) + kv_head * D + d
+    dst += tl.where(is_v, cache_kv_stride, 0)
+    scale = tl.where(is_v, v_scale, k_scale)
+    cty = cache_ptr.dtype.element_ty
+    tl.store(dst, to_cache(tl.where(is_v, x1, r1), scale, cty, FP8), mask=kv_ok)
+    tl.store(dst + HALF, to_cache(tl.where(is_v, x2, r2), scale, cty, FP8), mask=kv_ok)
 
 
 @triton.jit
@@ -607,6 +713,37 @@ def _asm_text(
     )
 
 
+@dataclass(frozen=True)
+class RotaryWrite:
+    """What a merged q/k/v projection's epilogue does with its product (``rotary=``): the
+    operands of `pointwise.qkv_rotary_write`, which it replaces. ``cos`` / ``sin`` ``[max_pos,
+    D/2]``, ``positions`` and ``slot_mapping`` one a token, ``kv_cache [2, blocks, block_size,
+    KV, D]`` (fp16/bf16, or FP8 with the scales)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.cos.shape[-1]
+
+    def check(self, out_features: int) -> None:
+        d = self.head_dim
+        if out_features != (self.num_heads + 2 * self.num_kv_heads) * d or d % 16:
+            raise ValueError(
+                f"Int4Gemm fragment kernel: a rotary epilogue needs q/k/v rows "
+                f"({self.num_heads} + 2 x {self.num_kv_heads} heads of {d}, {d} a multiple "
+                f"of 16), got {out_features} rows"
+            )
+
+
 def int4_gemm_fragment(
     x: torch.Tensor,
     weight: FragmentWeight,
@@ -615,14 +752,21 @@ def int4_gemm_fragment(
     plan: FragmentPlan | None = None,
     out: torch.Tensor | None = None,
     swiglu: bool = False,
+    rotary: RotaryWrite | None = None,
 ) -> torch.Tensor:
     """``y [T, N] = x @ dequantize(W).T + bias`` for ``x [T, K]`` in the weight's dtype (fp16
     or bf16), 1 <= T <= 32 in the launches `fragment_launches` gives (CUDA; Triton's CPU
     interpreter runs the portable version). ``plan`` (1..16 tokens) makes it one launch of that
     plan instead. ``swiglu``: the weight is a gate/up projection with its rows interleaved
     (`interleave_gate_up`) and y is ``[T, N/2]``, SwiGLU of the product (the gate and up rows
-    of each output are in one lane's accumulators: no second kernel, no ``[T, N]`` in memory)."""
+    of each output are in one lane's accumulators: no second kernel, no ``[T, N]`` in memory).
+    ``rotary``: the weight is a merged q/k/v projection with each head's rows interleaved
+    (`interleave_rotary`); y is the rotated q ``[T, heads * D]`` and the rotated k and v are
+    written to their cache slots, as `pointwise.qkv_rotary_write` does with the plain product
+    (the two halves of a rotation are in one lane's accumulators)."""
     n, k = weight.out_features, weight.in_features
+    if rotary is not None:
+        rotary.check(n)
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
     most = MAX_TOKENS if plan else LAUNCHES_MAX_TOKENS
@@ -643,9 +787,16 @@ def int4_gemm_fragment(
             f"(fragment_launches); call fragment_matmul"
         )
     width = n // 2 if swiglu else n
+    if rotary is not None:
+        width = rotary.num_heads * rotary.head_dim
     y = out if out is not None else torch.empty((tokens, width), dtype=x.dtype, device=x.device)
     for first, end, p in launches:  # a launch's x rows stay 16-byte aligned: K % 64 == 0
-        _launch(x2[first:end], weight, bias, p, y[first:end], swiglu)
+        rot = rotary and dataclasses.replace(
+            rotary,
+            positions=rotary.positions.reshape(-1)[first:end],
+            slot_mapping=rotary.slot_mapping.reshape(-1)[first:end],
+        )
+        _launch(x2[first:end], weight, bias, p, y[first:end], swiglu, rot)
     return y.view(*x.shape[:-1], width)
 
 
@@ -656,6 +807,7 @@ def _launch(
     plan: FragmentPlan,
     y: torch.Tensor,
     swiglu: bool = False,
+    rotary: RotaryWrite | None = None,
 ) -> None:
     n, k = weight.out_features, weight.in_features
     tokens = x2.shape[0]
@@ -691,8 +843,34 @@ def _launch(
         ASM_TEXT=text,
         CONSTRAINTS=constraints,
         SWIGLU=swiglu,
+        **_rotary_operands(rotary, y),
         num_warps=plan.tiles * plan.warps_k,
         **launch,
+    )
+
+
+def _rotary_operands(rotary: RotaryWrite | None, y: torch.Tensor) -> dict:
+    """`_int4_fragment`'s rotary operands (y in their place where there is no rotary: unused)."""
+    if rotary is None:
+        return dict(
+            cos_ptr=y, sin_ptr=y, pos_ptr=y, slot_ptr=y, cache_ptr=y, cache_kv_stride=0,
+            k_scale=1.0, v_scale=1.0, ROTARY=False, HEADS=1, KV_HEADS=1, HALF=8, FP8=False,
+        )  # fmt: skip
+    cache = rotary.kv_cache
+    return dict(
+        cos_ptr=rotary.cos,
+        sin_ptr=rotary.sin,
+        pos_ptr=rotary.positions,
+        slot_ptr=rotary.slot_mapping,
+        cache_ptr=cache,
+        cache_kv_stride=cache.stride(0),
+        k_scale=float(rotary.k_scale),
+        v_scale=float(rotary.v_scale),
+        ROTARY=True,
+        HEADS=rotary.num_heads,
+        KV_HEADS=rotary.num_kv_heads,
+        HALF=rotary.head_dim // 2,
+        FP8=cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -815,6 +993,24 @@ def deinterleave_gate_up(y: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, n // 16, 2, 8).transpose(-3, -2).reshape(*lead, n)
 
 
+def interleave_rotary(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The rows of a merged q/k/v projection ``[heads * D, ...]`` reordered within each head so
+    that 16-row tile ``j`` of a head holds its dimensions ``8j .. 8j + 7`` then ``D/2 + 8j ..
+    D/2 + 8j + 7``: the two halves of each rotation in one lane (what ``rotary=`` takes; D a
+    multiple of 16). v's heads are reordered alike (the epilogue puts them back)."""
+    n, d = t.shape[0], head_dim
+    if d % 16 or n % d:
+        raise ValueError(f"interleave_rotary: {n} rows is not heads of {d} (a multiple of 16)")
+    return t.reshape(n // d, 2, d // 16, 8, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def deinterleave_rotary(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``y [..., heads * D]`` of an `interleave_rotary` weight back to the plain column order."""
+    n, d = y.shape[-1], head_dim
+    lead = y.shape[:-1]
+    return y.reshape(*lead, n // d, d // 16, 2, 8).transpose(-3, -2).reshape(*lead, n)
+
+
 def fragment_gemm(
     x: torch.Tensor, weight: FragmentWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -840,6 +1036,24 @@ def fragment_gemm_swiglu(
     if _kernel_takes(x, weight):
         return int4_gemm_fragment(x, weight, bias, swiglu=True)
     return swiglu(deinterleave_gate_up(fragment_matmul(x, weight, bias)))
+
+
+def fragment_gemm_rotary(
+    x: torch.Tensor,
+    weight: FragmentWeight,
+    rotary: RotaryWrite,
+    rotary_write: Callable[[torch.Tensor, RotaryWrite], torch.Tensor],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A merged q/k/v Int4Gemm whose rows (and bias) are interleaved (`interleave_rotary`),
+    then q and k rotated and k and v written to the cache, as the CUDA executor runs it: the
+    kernel with that in its epilogue where `fragment_gemm` runs the kernel, else
+    `fragment_matmul`, the columns put back in order and ``rotary_write`` (the executor's own
+    op, `pointwise.qkv_rotary_write`: both paths give the unfused nodes' bits). Returns q."""
+    if _kernel_takes(x, weight):
+        return int4_gemm_fragment(x, weight, bias, rotary=rotary)
+    qkv = deinterleave_rotary(fragment_matmul(x, weight, bias), rotary.head_dim)
+    return rotary_write(qkv.reshape(-1, weight.out_features), rotary)
 
 
 def _kernel_takes(x: torch.Tensor, weight: FragmentWeight) -> bool:

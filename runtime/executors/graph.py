@@ -68,6 +68,12 @@ class NodeGraph:
             return readers[0]
         return None
 
+    def current(self, i: int | None) -> GraphNode | None:
+        """Node ``i`` as the fusions so far left it (a fused node, or None where removed)."""
+        if i is None:
+            return None
+        return self._replaced[i] if i in self._replaced else self.original[i]
+
     def int_values(self, tensor: str) -> list[int] | None:
         """The values of a small integer constant (an axis, split sizes), if it is one."""
         return self._host_ints.get(tensor)

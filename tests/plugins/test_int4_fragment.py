@@ -152,6 +152,77 @@ def test_swiglu_in_the_epilogue_gives_the_unfused_bits(tokens, bias):
     )
 
 
+def rotary_case(tokens, bias, cache_dtype, seed=7):
+    """A merged q/k/v layer (2 q heads, 1 kv head of 32), its rotary operands and a cache of
+    16-token blocks; the third token (where there is one) is padding (slot -1)."""
+    from trtc.plugins.kernels import pointwise
+
+    heads, kv_heads, d = 2, 1, 32
+    n, k, group = (heads + 2 * kv_heads) * d, 256, 128
+    layer = make_layer(n, k, group, torch.float16, bias, seed=seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    x = torch.randn(tokens, k, generator=g, device=DEVICE).to(torch.float16)
+    angles = torch.rand(64, d // 2, generator=g, device=DEVICE) * 6.3
+    positions = torch.randint(0, 64, (tokens,), generator=g, device=DEVICE)
+    slots = torch.randperm(4 * 16, generator=g, device=DEVICE)[:tokens]
+    if tokens > 2:
+        slots[2] = -1
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+
+    def operands():  # a fresh cache for each path
+        cache = torch.zeros(2, 4, 16, kv_heads, d, device=DEVICE).to(cache_dtype)
+        return fragment_kernel.RotaryWrite(
+            angles.cos().half(), angles.sin().half(), positions, cache, slots, heads, kv_heads,
+            *scales,
+        )  # fmt: skip
+
+    def write(qkv, r):
+        return pointwise.qkv_rotary_write(
+            qkv, r.cos, r.sin, r.positions, r.kv_cache, r.slot_mapping, r.num_heads,
+            r.num_kv_heads, r.k_scale, r.v_scale,
+        )  # fmt: skip
+
+    return layer, group, x, operands, write
+
+
+@pytest.mark.parametrize(
+    "tokens, bias, cache_dtype",
+    [(1, False, torch.float16), (11, True, torch.float16), (27, False, torch.float16),
+     (40, True, torch.float16), (3, False, torch.float8_e4m3fn)],
+)  # fmt: skip
+def test_rotary_in_the_epilogue_gives_the_unfused_bits(tokens, bias, cache_dtype):
+    """A q/k/v weight with each head's rows interleaved and the rotary + cache write in the
+    kernel's epilogue (one mma, two, launches of 16; 40 tokens: the dequantized layer and
+    cuBLAS, then the unfused write) = the plain layout's Int4Gemm, then
+    `pointwise.qkv_rotary_write`, bit for bit: q and every cache byte (padding left alone)."""
+    (qweight, scales, zeros, b), group, x, operands, write = rotary_case(tokens, bias, cache_dtype)
+    plain = fragment_kernel.fragment_pack(qweight, scales, zeros, group)
+
+    def il(t):
+        return fragment_kernel.interleave_rotary(t, 32)
+
+    mixed = fragment_kernel.fragment_pack(il(qweight), il(scales), il(zeros), group)
+    want_r, got_r = operands(), operands()
+    want = write(fragment_kernel.fragment_gemm(x, plain, b), want_r)
+    got = fragment_kernel.fragment_gemm_rotary(x, mixed, got_r, write, None if b is None else il(b))
+    assert got.shape == (tokens, 64)
+    assert torch.equal(got, want)
+    assert torch.equal(got_r.kv_cache.view(torch.uint8), want_r.kv_cache.view(torch.uint8))
+    assert got_r.kv_cache.view(torch.uint8).count_nonzero() > 0
+    # the interleaving: tile j of a head holds dims 8j..8j+7 then 16+8j..16+8j+7
+    rows = il(torch.arange(128))
+    assert rows[:16].tolist() == [*range(8), *range(16, 24)]
+    assert rows[32:48].tolist() == [*range(32, 40), *range(48, 56)]
+    assert torch.equal(fragment_kernel.deinterleave_rotary(rows[None], 32), torch.arange(128)[None])
+
+
+def test_rotary_epilogue_refuses_a_layer_that_is_not_qkv():
+    (qweight, scales, zeros, _), group, x, operands, _ = rotary_case(1, False, torch.float16)
+    fw = fragment_kernel.fragment_pack(qweight[:96], scales[:96], zeros[:96], group)
+    with pytest.raises(ValueError, match="rotary epilogue needs q/k/v rows"):
+        fragment_kernel.int4_gemm_fragment(x, fw, rotary=operands())
+
+
 def test_fragment_matmul_takes_x_in_another_dtype():
     """x in fp32 against fp16 weights: multiplied in fp32, y in fp32 (the plugin's contract)."""
     qweight, scales, zeros, b = make_layer(32, 256, 128, torch.float16, True, 0)
@@ -258,17 +329,22 @@ COMPILE_FOR_SM90 = r'''
 from trtc.plugins.int4_gemm import fragment_kernel as fk
 
 
-def compile_for_sm90(tokens, n, k, bf16, swiglu=False):
-    """The kernel as the executor launches it for this call, compiled for sm_90: (plan, asm)."""
+def compile_for_sm90(tokens, n, k, bf16, swiglu=False, rotary=None):
+    """The kernel as the executor launches it for this call, compiled for sm_90: (plan, asm).
+    ``rotary``: (q heads, kv heads, head_dim) of a q/k/v projection with its rotary epilogue."""
     plan = fk.fragment_plan(tokens, n, k, 128)
     chunk = -(-(k // 128) // plan.warps_k)
     text, constraints = fk._asm_text(chunk, 8, tokens > 8, True, False, bf16)
+    heads, kv_heads, head_dim = rotary or (1, 1, 16)
     consts = dict(TILES=plan.tiles, WARPS_K=plan.warps_k, CHUNK=chunk, SPG=8, TWO=tokens > 8,
                   BF16=bf16, HAS_BIAS=False, ASM=True, ASM_TEXT=text, CONSTRAINTS=constraints,
-                  PDL=True, SWIGLU=swiglu)
+                  PDL=True, SWIGLU=swiglu, ROTARY=rotary is not None, HEADS=heads,
+                  KV_HEADS=kv_heads, HALF=head_dim // 2, FP8=False)
     half = "*bf16" if bf16 else "*fp16"
     sig = {"x_ptr": half, "words_ptr": "*i32", "records_ptr": half, "bias_ptr": half,
-           "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32"}
+           "y_ptr": half, "T": "i32", "N": "i32", "K": "i32", "G": "i32", "cos_ptr": half,
+           "sin_ptr": half, "pos_ptr": "*i64", "slot_ptr": "*i64", "cache_ptr": half,
+           "cache_kv_stride": "i64", "k_scale": "fp32", "v_scale": "fp32"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}
     return plan, compile_sm90(fk._int4_fragment, sig, consts, attrs,
                               num_warps=plan.tiles * plan.warps_k)
@@ -296,12 +372,12 @@ SPILL_PROBE = (
 # group 128), one and two mma's, both dtypes
 longest = fk.LANE_STEPS * fk.MAX_WARPS_K * fk.STEP_COLS
 assert fk.fragment_supports(4096, longest, 128) is None
-for tokens, n, k, bf16, swiglu in [(1, 4096, longest, False, False),
-                                   (16, 4096, longest, False, False),
-                                   (8, 4096, longest, True, False),
-                                   (16, 11008, 4096, True, False),
-                                   (1, 11264, 2048, False, True), (16, 22016, 4096, False, True)]:
-    plan, asm = compile_for_sm90(tokens, n, k, bf16, swiglu)
+for tokens, n, k, bf16, swiglu, rotary in [
+        (1, 4096, longest, False, False, None), (16, 4096, longest, False, False, None),
+        (8, 4096, longest, True, False, None), (16, 11008, 4096, True, False, None),
+        (1, 11264, 2048, False, True, None), (16, 22016, 4096, False, True, None),
+        (1, 2560, 2048, False, False, (32, 4, 64)), (16, 12288, 4096, True, False, (32, 32, 128))]:
+    plan, asm = compile_for_sm90(tokens, n, k, bf16, swiglu, rotary)
     registers, stores, loads = ptxas_report(asm["ptx"])
     print(tokens, k, plan.warps_k, registers, f"{stores}/{loads}")
 """
@@ -323,10 +399,10 @@ def test_fragment_asm_sees_one_element_per_thread_in_order():
 
 def test_fragment_kernel_holds_a_lanes_share_in_registers():
     """`fragment_supports`' row-length limit: the longest rows the layout takes compile for
-    sm_90 without spills (ptxas -v); and the SwiGLU epilogue (gate/up of the 1.1B and 7B
-    models, one and two mma's)."""
+    sm_90 without spills (ptxas -v); and the SwiGLU and rotary epilogues (gate/up and q/k/v
+    of the 1.1B and 7B models, one and two mma's)."""
     lines = run_probe(SPILL_PROBE)
-    assert len(lines) == 6, lines
+    assert len(lines) == 8, lines
     for line in lines:
         assert line.split()[4:] == ["0/0"], line  # spill stores / loads, bytes
 

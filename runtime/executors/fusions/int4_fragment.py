@@ -7,7 +7,10 @@ batches) dequantize the layer into a transient fp16 or bf16 weight and multiply 
 
 A gate/up Int4Gemm read only by SwiGLU becomes ``Int4GemmFragmentSwiGLU``: its rows (and bias)
 interleaved in the layout so that each lane holds the gate and up sums of one output, and the
-kernel ends in SwiGLU (one launch and one ``[T, 2I]`` round trip fewer a layer, the same bits)."""
+kernel ends in SwiGLU (one launch and one ``[T, 2I]`` round trip fewer a layer, the same bits).
+Likewise a merged q/k/v Int4Gemm read only by ``QKVRotaryCacheWrite`` (the earlier fusion)
+becomes ``Int4GemmFragmentRotary``: each head's rows interleaved so that a lane holds both
+halves of its rotations, and the kernel ends in the rotary and the cache write."""
 
 from __future__ import annotations
 
@@ -15,11 +18,16 @@ import torch
 
 from trtc.artifact import Manifest
 from trtc.runtime.executors.fusions.gemm_swiglu import swiglu_reader
+from trtc.runtime.executors.fusions.qkv_rotary_cache_write import (
+    QKV_ROTARY_CACHE_WRITE,
+    qkv_rotary_cache_write,
+)
 from trtc.runtime.executors.graph import RUNTIME_DOMAIN, Fusion, GraphNode, NodeGraph
 from trtc.runtime.executors.torch_ops import swiglu
 
 INT4_GEMM_FRAGMENT = (RUNTIME_DOMAIN, "Int4GemmFragment")
 INT4_GEMM_FRAGMENT_SWIGLU = (RUNTIME_DOMAIN, "Int4GemmFragmentSwiGLU")
+INT4_GEMM_FRAGMENT_ROTARY = (RUNTIME_DOMAIN, "Int4GemmFragmentRotary")
 
 
 def _weight(x, attrs):
@@ -47,6 +55,39 @@ def int4_gemm_fragment_swiglu(x, attrs):
     return [fk.fragment_gemm_swiglu(x[0], _weight(x, attrs), _swiglu, x[1])]
 
 
+def _rotary(x, attrs):
+    """`fk.RotaryWrite` of an ``Int4GemmFragmentRotary`` node's inputs (after the layer's)."""
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+
+    cos, sin, positions, kv_cache, slot_mapping = x[4:9]
+    return fk.RotaryWrite(
+        cos,
+        sin,
+        positions,
+        kv_cache,
+        slot_mapping,
+        attrs["num_heads"],
+        attrs["num_kv_heads"],
+        attrs.get("k_scale", 1.0),
+        attrs.get("v_scale", 1.0),
+    )
+
+
+def _rotary_write(qkv: torch.Tensor, r) -> torch.Tensor:
+    """The executor's own ``QKVRotaryCacheWrite`` on a plain q/k/v product (long calls)."""
+    attrs = dict(num_heads=r.num_heads, num_kv_heads=r.num_kv_heads)
+    attrs.update(k_scale=r.k_scale, v_scale=r.v_scale)
+    inputs = [qkv, r.cos, r.sin, r.positions, r.kv_cache, r.slot_mapping]
+    return qkv_rotary_cache_write(inputs, attrs)[0]
+
+
+def int4_gemm_fragment_rotary(x, attrs):
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+
+    rotary = _rotary(x, attrs)
+    return [fk.fragment_gemm_rotary(x[0], _weight(x, attrs), rotary, _rotary_write, x[1])]
+
+
 def _takes(g: NodeGraph, node: GraphNode) -> bool:
     """The fragment kernel takes this node's weights, on their device."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
@@ -72,6 +113,35 @@ def _swiglu_reader(g: NodeGraph, i: int) -> int | None:
     return swiglu_reader(g, i)
 
 
+def _rotary_reader(g: NodeGraph, i: int) -> int | None:
+    """The ``QKVRotaryCacheWrite`` node that alone reads Int4Gemm ``i``'s output, if its rows
+    can interleave (heads of a multiple of 16 that make up the layer; a constant bias)."""
+    n = g.original[i]
+    bias = n.inputs[4] if len(n.inputs) > 4 else ""
+    j = g.only_reader(n.outputs[0])
+    node = g.current(j)
+    if node is None or node.op != QKV_ROTARY_CACHE_WRITE or node.inputs[0] != n.outputs[0]:
+        return None
+    a = node.attrs
+    d = a["head_dim"]
+    heads = a["num_heads"] + 2 * a["num_kv_heads"]
+    if d % 16 or n.attrs["out_features"] != heads * d or (bias and not g.is_constant(bias)):
+        return None
+    return j
+
+
+def _interleave(layout: tuple, t: torch.Tensor) -> torch.Tensor:
+    """A stored tensor's rows in ``layout``'s order: ``("plain",)``, ``("gate_up",)`` or
+    ``("rotary", head_dim)``."""
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+
+    if layout[0] == "gate_up":
+        return fk.interleave_gate_up(t)
+    if layout[0] == "rotary":
+        return fk.interleave_rotary(t, layout[1])
+    return t
+
+
 def fuse_int4_fragments(g: NodeGraph) -> int:
     """Int4Gemm nodes whose weights the fragment kernel takes: their weights put in its layout
     (once per weight; a gate/up projection's rows interleaved, with its SwiGLU taken in) and the
@@ -85,22 +155,32 @@ def fuse_int4_fragments(g: NodeGraph) -> int:
         for i, n in enumerate(g.original)
         if n.op == ("trtc", "Int4Gemm") and g.free(i) and _takes(g, n)
     ]
-    swiglus = {i: _swiglu_reader(g, i) for i in taken}
+    # Which epilogue each node takes in: (reader node, row layout) or None.
+    epilogues: dict[int, tuple[int, tuple] | None] = {}
+    for i in taken:
+        if (j := _swiglu_reader(g, i)) is not None:
+            epilogues[i] = (j, ("gate_up",))
+        elif (j := _rotary_reader(g, i)) is not None:
+            epilogues[i] = (j, ("rotary", g.current(j).attrs["head_dim"]))
+        else:
+            epilogues[i] = None
     takes = {
-        i: (*g.original[i].inputs[1:4], g.original[i].attrs["group_size"], swiglus[i] is not None)
+        i: (
+            *g.original[i].inputs[1:4],
+            g.original[i].attrs["group_size"],
+            epilogues[i][1] if epilogues[i] else ("plain",),
+        )
         for i in taken
     }
     packed: dict[tuple, tuple[str, str]] = {}
     for i, key in takes.items():
         n = g.original[i]
-        interleaved = key[4]
+        layout = key[4]
         if key not in packed:
             names = tuple(
                 f"{n.inputs[1]}.fragment{len(packed)}_{part}" for part in ("words", "records")
             )
-            stored = [g.constants[name] for name in key[:3]]
-            if interleaved:
-                stored = [fk.interleave_gate_up(t) for t in stored]
+            stored = [_interleave(layout, g.constants[name]) for name in key[:3]]
             fw = fk.fragment_pack(*stored, key[3])
             g.constants[names[0]], g.constants[names[1]] = fw.words, fw.records
             packed[key] = names
@@ -110,18 +190,27 @@ def fuse_int4_fragments(g: NodeGraph) -> int:
                 ):
                     del g.constants[name]
         bias = n.inputs[4] if len(n.inputs) > 4 else ""
-        if not interleaved:
+        if epilogues[i] is None:
             inputs = [n.inputs[0], bias, *packed[key]]
             g.replace(i, GraphNode(INT4_GEMM_FRAGMENT, inputs, n.outputs, n.attrs))
             continue
         if bias:
-            g.constants[f"{bias}.interleaved"] = fk.interleave_gate_up(g.constants[bias])
+            name = f"{bias}.{layout[0]}"
+            g.constants[name] = _interleave(layout, g.constants[bias])
             if bias not in g.graph_outputs and g.readers[bias] == [i]:
                 del g.constants[bias]
-            bias = f"{bias}.interleaved"
-        j = swiglus[i]
+            bias = name
+        j = epilogues[i][0]
+        reader = g.current(j)
         inputs = [n.inputs[0], bias, *packed[key]]
-        g.replace(i, GraphNode(INT4_GEMM_FRAGMENT_SWIGLU, inputs, g.original[j].outputs, n.attrs))
+        if layout[0] == "gate_up":
+            fused = GraphNode(INT4_GEMM_FRAGMENT_SWIGLU, inputs, reader.outputs, n.attrs)
+        else:  # the rotary operands after the layer's: cos, sin, positions, cache, slots
+            attrs = {**reader.attrs, **n.attrs}
+            fused = GraphNode(
+                INT4_GEMM_FRAGMENT_ROTARY, inputs + reader.inputs[1:], reader.outputs, attrs
+            )
+        g.replace(i, fused)
         g.remove(j)
     return len(takes)
 
@@ -157,6 +246,10 @@ def int4_fragment_bytes(manifest: Manifest) -> int:
 
 FUSION = Fusion(
     "int4_fragment",
-    {INT4_GEMM_FRAGMENT: int4_gemm_fragment, INT4_GEMM_FRAGMENT_SWIGLU: int4_gemm_fragment_swiglu},
+    {
+        INT4_GEMM_FRAGMENT: int4_gemm_fragment,
+        INT4_GEMM_FRAGMENT_SWIGLU: int4_gemm_fragment_swiglu,
+        INT4_GEMM_FRAGMENT_ROTARY: int4_gemm_fragment_rotary,
+    },
     fuse_int4_fragments,
 )

@@ -137,13 +137,17 @@ def test_int4_fragment_layout_matches_the_compiled_graph(tiny_int4_fp16):
     ops = [n[0] for n in fused.nodes]
     from trtc.runtime.executors.fusions.int4_fragment import (
         int4_gemm_fragment,
+        int4_gemm_fragment_rotary,
         int4_gemm_fragment_swiglu,
     )
+    from trtc.runtime.executors.fusions.qkv_rotary_cache_write import qkv_rotary_cache_write
     from trtc.runtime.executors.torch_ops import swiglu
 
-    # q/k/v and o of both layers; gate/up with its SwiGLU taken in (no SwiGLU node left)
-    assert ops.count(int4_gemm_fragment) == 4 and ops.count(int4_gemm_fragment_swiglu) == 2
-    assert swiglu not in ops
+    # o of both layers; gate/up with its SwiGLU taken in (no SwiGLU node left); q/k/v with the
+    # rotary and the cache write taken in (no QKVRotaryCacheWrite left)
+    assert ops.count(int4_gemm_fragment) == 2 and ops.count(int4_gemm_fragment_swiglu) == 2
+    assert ops.count(int4_gemm_fragment_rotary) == 2
+    assert swiglu not in ops and qkv_rotary_cache_write not in ops
     # The prefill through dequantized weights and a matmul, the decode steps through the
     # fragment kernel.
     assert_same_steps(plain, fused, tol=2e-2, kv=False)
@@ -169,7 +173,7 @@ def test_int4_gate_up_with_a_bias_takes_its_swiglu():
     (node,) = fused
     assert node.op == INT4_GEMM_FRAGMENT_SWIGLU and node.outputs == ["y"]
     assert "b" not in constants and torch.equal(
-        constants["b.interleaved"][:16].cpu(), torch.cat((bias[:8], bias[32:40])).cpu()
+        constants["b.gate_up"][:16].cpu(), torch.cat((bias[:8], bias[32:40])).cpu()
     )
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(3)).to(torch.float16)
     x = x.to(DEVICE)
@@ -178,6 +182,52 @@ def test_int4_gate_up_with_a_bias_takes_its_swiglu():
     )[0]
     (got,) = RUNTIME_OPS[node.op]([x, *(constants[name] for name in node.inputs[1:])], attrs)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_int4_qkv_with_a_bias_takes_its_rotary_and_cache_write():
+    """A q/k/v Int4Gemm with a bias read only by QKVRotaryCacheWrite: one node, the bias
+    interleaved with the rows (the stored one dropped), and the same q and cache as the two
+    nodes (3 tokens: one through the kernel; 40: the dequantized layer, then the write)."""
+    from harness.int4_layers import make_layer
+    from trtc.runtime.executors.fusions.int4_fragment import INT4_GEMM_FRAGMENT_ROTARY
+    from trtc.runtime.executors.fusions.qkv_rotary_cache_write import QKV_ROTARY_CACHE_WRITE
+
+    heads, kv_heads, d, k, group = 2, 1, 32, 128, 64
+    n = (heads + 2 * kv_heads) * d
+    qweight, scales, zeros, bias = make_layer(n, k, group, torch.float16, True, 4, DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    angles = torch.rand(64, d // 2, generator=gen) * 6.3
+    constants = {"qw": qweight, "s": scales, "z": zeros, "b": bias}
+    constants.update(cos=angles.cos().half().to(DEVICE), sin=angles.sin().half().to(DEVICE))
+    gemm = {"group_size": group, "in_features": k, "out_features": n}
+    attn = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": 0.25}
+    nodes = [
+        GraphNode(("trtc", "Int4Gemm"), ["x", "qw", "s", "z", "b"], ["qkv"], gemm),
+        GraphNode(
+            QKV_ROTARY_CACHE_WRITE, ["qkv", "cos", "sin", "pos", "cache", "slots"], ["q"], attn
+        ),
+    ]
+    fused, counts = fuse(nodes, constants, {"q"})
+    assert counts["int4_fragment"] == 1 and len(fused) == 1
+    (node,) = fused
+    assert node.op == INT4_GEMM_FRAGMENT_ROTARY and node.outputs == ["q"]
+    assert "b" not in constants and torch.equal(
+        constants["b.rotary"][:16].cpu(), torch.cat((bias[:8], bias[16:24])).cpu()
+    )
+    for tokens in (3, 40):
+        x = torch.randn(tokens, k, generator=gen).to(torch.float16).to(DEVICE)
+        pos = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
+        slots = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
+        caches = [torch.zeros(2, 4, 16, kv_heads, d, dtype=torch.float16, device=DEVICE)] * 2
+        caches[1] = caches[0].clone()
+        (qkv,) = ONNX_OPS[("trtc", "Int4Gemm")]([x, qweight, scales, zeros, bias], gemm)
+        rest = [constants["cos"], constants["sin"], pos]
+        (want,) = RUNTIME_OPS[QKV_ROTARY_CACHE_WRITE]([qkv, *rest, caches[0], slots], attn)
+        layer = [constants[name] for name in node.inputs[1:4]]
+        (got,) = RUNTIME_OPS[node.op]([x, *layer, *rest, caches[1], slots], node.attrs)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(caches[1], caches[0], atol=2e-3, rtol=2e-3)
+        assert caches[1].count_nonzero() > 0
 
 
 def test_unmatched_patterns_are_left_alone(tiny_artifacts):
