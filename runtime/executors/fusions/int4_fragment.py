@@ -144,8 +144,9 @@ def _interleave(layout: tuple, t: torch.Tensor) -> torch.Tensor:
 
 def fuse_int4_fragments(g: NodeGraph) -> int:
     """Int4Gemm nodes whose weights the fragment kernel takes: their weights put in its layout
-    (once per weight; a gate/up projection's rows interleaved, with its SwiGLU taken in) and the
-    node rewritten to read that. A stored weight, scale or zero tensor leaves the constants as
+    (once per weight and row order; a gate/up projection's rows interleaved, with its SwiGLU
+    taken in; a q/k/v projection's, with its rotary and cache write) and the node rewritten to
+    read that. A stored weight, scale or zero tensor leaves the constants as
     soon as every node that reads it reads the fragments instead, so the device holds one
     layout, and converting a model needs one layer's worth of extra memory, not a model's."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
