@@ -43,9 +43,12 @@ class NodeGraph:
         self.constants = constants  # mutable: a layout rewrite swaps tensors in place
         self.graph_outputs = outputs
         self.readers: dict[str, list[int]] = {}
+        self.producer: dict[str, int] = {}
         for i, n in enumerate(nodes):
             for name in n.inputs:
                 self.readers.setdefault(name, []).append(i)
+            for name in n.outputs:
+                self.producer[name] = i
         self._replaced: dict[int, GraphNode | None] = {}
         # Axes and split sizes: small integer constants, kept on the host by the executor.
         self._host_ints = {
@@ -67,6 +70,11 @@ class NodeGraph:
         if len(readers) == 1 and tensor not in self.graph_outputs:
             return readers[0]
         return None
+
+    def ready_before(self, tensor: str, i: int) -> bool:
+        """``tensor`` exists when node ``i`` runs: a constant, a graph input, or the output of
+        an earlier node (what a fusion that moves a reader's inputs to node ``i`` checks)."""
+        return self.producer.get(tensor, -1) < i
 
     def current(self, i: int | None) -> GraphNode | None:
         """Node ``i`` as the fusions so far left it (a fused node, or None where removed)."""

@@ -153,11 +153,11 @@ def test_swiglu_in_the_epilogue_gives_the_unfused_bits(tokens, bias):
 
 
 def rotary_case(tokens, bias, cache_dtype, seed=7):
-    """A merged q/k/v layer (2 q heads, 1 kv head of 32), its rotary operands and a cache of
+    """A merged q/k/v layer (4 q heads, 2 kv heads of 32), its rotary operands and a cache of
     16-token blocks; the third token (where there is one) is padding (slot -1)."""
     from trtc.plugins.kernels import pointwise
 
-    heads, kv_heads, d = 2, 1, 32
+    heads, kv_heads, d = 4, 2, 32
     n, k, group = (heads + 2 * kv_heads) * d, 256, 128
     layer = make_layer(n, k, group, torch.float16, bias, seed=seed)
     g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
@@ -205,7 +205,7 @@ def test_rotary_in_the_epilogue_gives_the_unfused_bits(tokens, bias, cache_dtype
     want_r, got_r = operands(), operands()
     want = write(fragment_kernel.fragment_gemm(x, plain, b), want_r)
     got = fragment_kernel.fragment_gemm_rotary(x, mixed, got_r, write, None if b is None else il(b))
-    assert got.shape == (tokens, 64)
+    assert got.shape == (tokens, 128)
     assert torch.equal(got, want)
     assert torch.equal(got_r.kv_cache.view(torch.uint8), want_r.kv_cache.view(torch.uint8))
     assert got_r.kv_cache.view(torch.uint8).count_nonzero() > 0
@@ -218,7 +218,7 @@ def test_rotary_in_the_epilogue_gives_the_unfused_bits(tokens, bias, cache_dtype
 
 def test_rotary_epilogue_refuses_a_layer_that_is_not_qkv():
     (qweight, scales, zeros, _), group, x, operands, _ = rotary_case(1, False, torch.float16)
-    fw = fragment_kernel.fragment_pack(qweight[:96], scales[:96], zeros[:96], group)
+    fw = fragment_kernel.fragment_pack(qweight[:224], scales[:224], zeros[:224], group)
     with pytest.raises(ValueError, match="rotary epilogue needs q/k/v rows"):
         fragment_kernel.int4_gemm_fragment(x, fw, rotary=operands())
 

@@ -115,7 +115,8 @@ def _swiglu_reader(g: NodeGraph, i: int) -> int | None:
 
 def _rotary_reader(g: NodeGraph, i: int) -> int | None:
     """The ``QKVRotaryCacheWrite`` node that alone reads Int4Gemm ``i``'s output, if its rows
-    can interleave (heads of a multiple of 16 that make up the layer; a constant bias)."""
+    can interleave (heads of a multiple of 16 that make up the layer; a constant bias) and its
+    other inputs exist where node ``i`` runs (the fused node runs there)."""
     n = g.original[i]
     bias = n.inputs[4] if len(n.inputs) > 4 else ""
     j = g.only_reader(n.outputs[0])
@@ -126,6 +127,8 @@ def _rotary_reader(g: NodeGraph, i: int) -> int | None:
     d = a["head_dim"]
     heads = a["num_heads"] + 2 * a["num_kv_heads"]
     if d % 16 or n.attrs["out_features"] != heads * d or (bias and not g.is_constant(bias)):
+        return None
+    if not all(g.ready_before(t, i) for t in node.inputs[1:]):
         return None
     return j
 

@@ -230,6 +230,29 @@ def test_int4_qkv_with_a_bias_takes_its_rotary_and_cache_write():
         assert caches[1].count_nonzero() > 0
 
 
+def test_int4_qkv_keeps_its_rotary_where_an_input_comes_later():
+    """The fused node runs where the Int4Gemm was: a rotary input made by a node after it (here
+    the positions) keeps the two nodes apart."""
+    from harness.int4_layers import make_layer
+    from trtc.runtime.executors.fusions.int4_fragment import INT4_GEMM_FRAGMENT
+    from trtc.runtime.executors.fusions.qkv_rotary_cache_write import QKV_ROTARY_CACHE_WRITE
+
+    qweight, scales, zeros, _ = make_layer(128, 128, 64, torch.float16, False, 4, DEVICE)
+    constants = {"qw": qweight, "s": scales, "z": zeros}
+    gemm = {"group_size": 64, "in_features": 128, "out_features": 128}
+    attn = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "scale": 0.25}
+    nodes = [
+        GraphNode(("trtc", "Int4Gemm"), ["x", "qw", "s", "z"], ["qkv"], gemm),
+        GraphNode(("", "Identity"), ["position_ids"], ["pos"], {}),
+        GraphNode(
+            QKV_ROTARY_CACHE_WRITE, ["qkv", "cos", "sin", "pos", "cache", "slots"], ["q"], attn
+        ),
+    ]
+    fused, counts = fuse(nodes, constants, {"q"})
+    assert counts["int4_fragment"] == 1
+    assert [n.op for n in fused] == [INT4_GEMM_FRAGMENT, ("", "Identity"), QKV_ROTARY_CACHE_WRITE]
+
+
 def test_unmatched_patterns_are_left_alone(tiny_artifacts):
     # A q projection also read by another node must keep its own rotary: that layer is not fused.
     ex = TorchExecutor(Artifact.open(tiny_artifacts["tiny-llama"]), 16)
