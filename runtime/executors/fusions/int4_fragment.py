@@ -59,18 +59,9 @@ def _rotary(x, attrs):
     """`fk.RotaryWrite` of an ``Int4GemmFragmentRotary`` node's inputs (after the layer's)."""
     from trtc.plugins.int4_gemm import fragment_kernel as fk
 
-    cos, sin, positions, kv_cache, slot_mapping = x[4:9]
-    return fk.RotaryWrite(
-        cos,
-        sin,
-        positions,
-        kv_cache,
-        slot_mapping,
-        attrs["num_heads"],
-        attrs["num_kv_heads"],
-        attrs.get("k_scale", 1.0),
-        attrs.get("v_scale", 1.0),
-    )
+    scales = attrs.get("k_scale", 1.0), attrs.get("v_scale", 1.0)
+    # cos, sin, positions, kv_cache, slot_mapping: QKVRotaryCacheWrite's inputs after q/k/v
+    return fk.RotaryWrite(*x[4:9], attrs["num_heads"], attrs["num_kv_heads"], *scales)
 
 
 def _rotary_write(qkv: torch.Tensor, r) -> torch.Tensor:
