@@ -62,9 +62,9 @@ def _rotary(
     x2 = tl.load(x_ptr + base + HALF, mask=mask, other=0.0)
     c = tl.load(cos_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
-    # In the input dtype, as the torch spelling computes it.
-    tl.store(y_ptr + base, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + base + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
+    y1, y2 = _rotate(x1, x2, c, s, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + base, y1, mask=mask)
+    tl.store(y_ptr + base + HALF, y2, mask=mask)
 
 
 def rotary(
@@ -162,8 +162,14 @@ def add_rms_norm(
 
 @triton.jit
 def _rotate(x1, x2, c, s, out_ty: tl.constexpr):
-    """Non-interleaved RoPE of one head's halves, in the input dtype (as `_rotary`)."""
-    return (x1 * c - x2 * s).to(out_ty), (x2 * c + x1 * s).to(out_ty)
+    """Non-interleaved RoPE of one head's halves, in the input dtype (as the torch spelling
+    computes it; `_rotary`, `_qkv_rotary_write` and the fragment kernel's epilogue). The fmas
+    are spelled out: left to the compiler, ``x1 * c - x2 * s`` may fuse either product, and two
+    kernels compiled apart (the fragment kernel's q/k/v epilogue) would round apart."""
+    p1, p2 = x1 * s, x2 * s  # in the type x and the tables promote to
+    ty = p1.dtype
+    cp = c.to(ty)
+    return tl.fma(x1.to(ty), cp, -p2).to(out_ty), tl.fma(x2.to(ty), cp, p1).to(out_ty)
 
 
 @triton.jit
