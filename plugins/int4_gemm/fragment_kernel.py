@@ -66,7 +66,7 @@ from trtc.architectures import has_feature
 from trtc.plugins.int4_gemm.reference import unpack_int4
 from trtc.plugins.int4_gemm.triton_kernels import _interpreting
 from trtc.plugins.kernels import pdl
-from trtc.plugins.kernels.pointwise import _rotate
+from trtc.plugins.kernels.pointwise import rotate_halves
 from trtc.plugins.paged_attention.triton_kernels import to_cache
 
 TILE_ROWS = 16  # an mma's M
@@ -584,9 +584,10 @@ def _rotary_epilogue(
     """A merged q/k/v projection's sums, rows interleaved by `interleave_rotary`, as
     `pointwise._qkv_rotary_write` takes the unfused product: ``acc1`` of (interleaved) row
     ``row`` is dimension ``d`` of its head and ``acc2`` (row + 8) dimension ``d + HALF``. Each
-    rounded to q's dtype as the Int4Gemm's output is; q and k rotated by `pointwise._rotate`
-    (the same arithmetic, so the same bits); q stored, k and v written to the token's cache
-    slot (none where the slot is negative: padding)."""
+    rounded to q's dtype as the Int4Gemm's output is; q and k rotated by
+    `pointwise.rotate_halves` (the unfused kernel's function, its fmas spelled out, so the
+    same bits); q stored, k and v written to the token's cache slot (none where the slot is
+    negative: padding)."""
     D: tl.constexpr = 2 * HALF
     ty = q_ptr.dtype.element_ty
     x1 = _tile_sums(acc1, row, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
@@ -598,7 +599,7 @@ def _rotary_epilogue(
     pos = tl.load(pos_ptr + tok64, mask=ok, other=0)
     c = tl.load(cos_ptr + pos * HALF + d, mask=ok, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + d, mask=ok, other=0.0)
-    r1, r2 = _rotate(x1, x2, c, s, ty)
+    r1, r2 = rotate_halves(x1, x2, c, s, ty)
     is_q = head < HEADS
     q_at = q_ptr + tok64 * (HEADS * D) + head * D + d
     tl.store(q_at, r1, mask=ok & is_q)

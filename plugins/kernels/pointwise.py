@@ -62,7 +62,7 @@ def _rotary(
     x2 = tl.load(x_ptr + base + HALF, mask=mask, other=0.0)
     c = tl.load(cos_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
-    y1, y2 = _rotate(x1, x2, c, s, y_ptr.dtype.element_ty)
+    y1, y2 = rotate_halves(x1, x2, c, s, y_ptr.dtype.element_ty)
     tl.store(y_ptr + base, y1, mask=mask)
     tl.store(y_ptr + base + HALF, y2, mask=mask)
 
@@ -161,7 +161,7 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rotate(x1, x2, c, s, out_ty: tl.constexpr):
+def rotate_halves(x1, x2, c, s, out_ty: tl.constexpr):
     """Non-interleaved RoPE of one head's halves, in the input dtype (as the torch spelling
     computes it; `_rotary`, `_qkv_rotary_write` and the fragment kernel's epilogue). The fmas
     are spelled out: left to the compiler, ``x1 * c - x2 * s`` may fuse either product, and two
@@ -209,7 +209,7 @@ def _qkv_rotary_write(
     h = tl.arange(0, HEADS_P2)
     mask = (h[:, None] < HEADS) & d_ok[None, :]
     at = h[:, None] * D + d[None, :]
-    q1, q2 = _rotate(
+    q1, q2 = rotate_halves(
         tl.load(row + at, mask=mask, other=0.0),
         tl.load(row + at + HALF, mask=mask, other=0.0),
         c,
@@ -225,7 +225,7 @@ def _qkv_rotary_write(
         kmask = (kh[:, None] < KV_HEADS) & d_ok[None, :]
         kat = kh[:, None] * D + d[None, :]
         k_row = row + HEADS * D
-        k1, k2 = _rotate(
+        k1, k2 = rotate_halves(
             tl.load(k_row + kat, mask=kmask, other=0.0),
             tl.load(k_row + kat + HALF, mask=kmask, other=0.0),
             c,
