@@ -53,7 +53,6 @@ also run the PTX itself in a numpy emulator of one warp (tests/harness/ptx_emula
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +65,7 @@ from trtc.architectures import has_feature
 from trtc.plugins.int4_gemm.reference import unpack_int4
 from trtc.plugins.int4_gemm.triton_kernels import _interpreting
 from trtc.plugins.kernels import pdl
-from trtc.plugins.kernels.pointwise import rotate_halves
+from trtc.plugins.kernels.pointwise import qkv_rotary_write, rotate_halves
 from trtc.plugins.paged_attention.triton_kernels import to_cache
 
 TILE_ROWS = 16  # an mma's M
@@ -735,14 +734,31 @@ class RotaryWrite:
     def head_dim(self) -> int:
         return 2 * self.cos.shape[-1]
 
-    def check(self, out_features: int) -> None:
-        d = self.head_dim
-        if out_features != (self.num_heads + 2 * self.num_kv_heads) * d or d % 16:
-            raise ValueError(
-                f"Int4Gemm fragment kernel: a rotary epilogue needs q/k/v rows "
-                f"({self.num_heads} + 2 x {self.num_kv_heads} heads of {d}, {d} a multiple "
-                f"of 16), got {out_features} rows"
-            )
+    def write(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The unfused write on a plain ``[T, (H + 2 KV) D]`` product: returns q."""
+        return qkv_rotary_write(
+            qkv,
+            self.cos,
+            self.sin,
+            self.positions,
+            self.kv_cache,
+            self.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.k_scale,
+            self.v_scale,
+        )
+
+
+def rotary_supports(out_features: int, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """None if a layer of ``out_features`` rows can end in the rotary epilogue, else why not:
+    its rows must be the q/k/v heads, of a multiple of 16 dimensions (`interleave_rotary`)."""
+    if out_features != (heads + 2 * kv_heads) * head_dim or head_dim % 16:
+        return (
+            f"a rotary epilogue needs q/k/v rows ({heads} + 2 x {kv_heads} heads of "
+            f"{head_dim}, {head_dim} a multiple of 16), got {out_features} rows"
+        )
+    return None
 
 
 def int4_gemm_fragment(
@@ -767,7 +783,10 @@ def int4_gemm_fragment(
     (the two halves of a rotation are in one lane's accumulators)."""
     n, k = weight.out_features, weight.in_features
     if rotary is not None:
-        rotary.check(n)
+        r = rotary
+        why = rotary_supports(n, r.num_heads, r.num_kv_heads, r.head_dim)
+        if why:
+            raise ValueError(f"Int4Gemm fragment kernel: {why}")
     x2 = x.reshape(-1, k).contiguous()
     tokens = x2.shape[0]
     most = MAX_TOKENS if plan else LAUNCHES_MAX_TOKENS
@@ -792,12 +811,7 @@ def int4_gemm_fragment(
         width = rotary.num_heads * rotary.head_dim
     y = out if out is not None else torch.empty((tokens, width), dtype=x.dtype, device=x.device)
     for first, end, p in launches:  # a launch's x rows stay 16-byte aligned: K % 64 == 0
-        rot = rotary and dataclasses.replace(
-            rotary,
-            positions=rotary.positions.reshape(-1)[first:end],
-            slot_mapping=rotary.slot_mapping.reshape(-1)[first:end],
-        )
-        _launch(x2[first:end], weight, bias, p, y[first:end], swiglu, rot)
+        _launch(x2[first:end], weight, bias, p, y[first:end], swiglu, rotary, first)
     return y.view(*x.shape[:-1], width)
 
 
@@ -809,7 +823,10 @@ def _launch(
     y: torch.Tensor,
     swiglu: bool = False,
     rotary: RotaryWrite | None = None,
+    first: int = 0,
 ) -> None:
+    """One launch over the call's tokens ``first ..`` (x2 and y are those rows already; the
+    rotary's positions and slots are indexed from ``first``)."""
     n, k = weight.out_features, weight.in_features
     tokens = x2.shape[0]
     spg = weight.group_size // STEP_COLS
@@ -844,14 +861,15 @@ def _launch(
         ASM_TEXT=text,
         CONSTRAINTS=constraints,
         SWIGLU=swiglu,
-        **_rotary_operands(rotary, y),
+        **_rotary_operands(rotary, y, first),
         num_warps=plan.tiles * plan.warps_k,
         **launch,
     )
 
 
-def _rotary_operands(rotary: RotaryWrite | None, y: torch.Tensor) -> dict:
-    """`_int4_fragment`'s rotary operands (y in their place where there is no rotary: unused)."""
+def _rotary_operands(rotary: RotaryWrite | None, y: torch.Tensor, first: int) -> dict:
+    """`_int4_fragment`'s rotary operands for a launch from token ``first`` (y in their place
+    where there is no rotary: unused)."""
     if rotary is None:
         return dict(
             cos_ptr=y, sin_ptr=y, pos_ptr=y, slot_ptr=y, cache_ptr=y, cache_kv_stride=0,
@@ -861,8 +879,8 @@ def _rotary_operands(rotary: RotaryWrite | None, y: torch.Tensor) -> dict:
     return dict(
         cos_ptr=rotary.cos,
         sin_ptr=rotary.sin,
-        pos_ptr=rotary.positions,
-        slot_ptr=rotary.slot_mapping,
+        pos_ptr=rotary.positions.reshape(-1)[first:],
+        slot_ptr=rotary.slot_mapping.reshape(-1)[first:],
         cache_ptr=cache,
         cache_kv_stride=cache.stride(0),
         k_scale=float(rotary.k_scale),
@@ -1043,18 +1061,18 @@ def fragment_gemm_rotary(
     x: torch.Tensor,
     weight: FragmentWeight,
     rotary: RotaryWrite,
-    rotary_write: Callable[[torch.Tensor, RotaryWrite], torch.Tensor],
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A merged q/k/v Int4Gemm whose rows (and bias) are interleaved (`interleave_rotary`),
     then q and k rotated and k and v written to the cache, as the CUDA executor runs it: the
     kernel with that in its epilogue where `fragment_gemm` runs the kernel, else
-    `fragment_matmul`, the columns put back in order and ``rotary_write`` (the executor's own
-    op, `pointwise.qkv_rotary_write`: both paths give the unfused nodes' bits). Returns q."""
+    `fragment_matmul`, the columns put back in order and the unfused write (`RotaryWrite.write`,
+    what the executor's ``QKVRotaryCacheWrite`` runs: both paths give the unfused nodes'
+    bits). Returns q."""
     if _kernel_takes(x, weight):
         return int4_gemm_fragment(x, weight, bias, rotary=rotary)
     qkv = deinterleave_rotary(fragment_matmul(x, weight, bias), rotary.head_dim)
-    return rotary_write(qkv.reshape(-1, weight.out_features), rotary)
+    return rotary.write(qkv.reshape(-1, weight.out_features))
 
 
 def _kernel_takes(x: torch.Tensor, weight: FragmentWeight) -> bool:

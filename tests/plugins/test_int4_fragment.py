@@ -204,7 +204,7 @@ def test_rotary_in_the_epilogue_gives_the_unfused_bits(tokens, bias, cache_dtype
     mixed = fragment_kernel.fragment_pack(il(qweight), il(scales), il(zeros), group)
     want_r, got_r = operands(), operands()
     want = write(fragment_kernel.fragment_gemm(x, plain, b), want_r)
-    got = fragment_kernel.fragment_gemm_rotary(x, mixed, got_r, write, None if b is None else il(b))
+    got = fragment_kernel.fragment_gemm_rotary(x, mixed, got_r, None if b is None else il(b))
     assert got.shape == (tokens, 128)
     assert torch.equal(got, want)
     assert torch.equal(got_r.kv_cache.view(torch.uint8), want_r.kv_cache.view(torch.uint8))

@@ -18,10 +18,7 @@ import torch
 
 from trtc.artifact import Manifest
 from trtc.runtime.executors.fusions.gemm_swiglu import swiglu_reader
-from trtc.runtime.executors.fusions.qkv_rotary_cache_write import (
-    QKV_ROTARY_CACHE_WRITE,
-    qkv_rotary_cache_write,
-)
+from trtc.runtime.executors.fusions.qkv_rotary_cache_write import QKV_ROTARY_CACHE_WRITE
 from trtc.runtime.executors.graph import RUNTIME_DOMAIN, Fusion, GraphNode, NodeGraph
 from trtc.runtime.executors.torch_ops import swiglu
 
@@ -64,19 +61,10 @@ def _rotary(x, attrs):
     return fk.RotaryWrite(*x[4:9], attrs["num_heads"], attrs["num_kv_heads"], *scales)
 
 
-def _rotary_write(qkv: torch.Tensor, r) -> torch.Tensor:
-    """The executor's own ``QKVRotaryCacheWrite`` on a plain q/k/v product (long calls)."""
-    attrs = dict(num_heads=r.num_heads, num_kv_heads=r.num_kv_heads)
-    attrs.update(k_scale=r.k_scale, v_scale=r.v_scale)
-    inputs = [qkv, r.cos, r.sin, r.positions, r.kv_cache, r.slot_mapping]
-    return qkv_rotary_cache_write(inputs, attrs)[0]
-
-
 def int4_gemm_fragment_rotary(x, attrs):
     from trtc.plugins.int4_gemm import fragment_kernel as fk
 
-    rotary = _rotary(x, attrs)
-    return [fk.fragment_gemm_rotary(x[0], _weight(x, attrs), rotary, _rotary_write, x[1])]
+    return [fk.fragment_gemm_rotary(x[0], _weight(x, attrs), _rotary(x, attrs), x[1])]
 
 
 def _takes(g: NodeGraph, node: GraphNode) -> bool:
@@ -108,6 +96,8 @@ def _rotary_reader(g: NodeGraph, i: int) -> int | None:
     """The ``QKVRotaryCacheWrite`` node that alone reads Int4Gemm ``i``'s output, if its rows
     can interleave (heads of a multiple of 16 that make up the layer; a constant bias) and its
     other inputs exist where node ``i`` runs (the fused node runs there)."""
+    from trtc.plugins.int4_gemm import fragment_kernel as fk
+
     n = g.original[i]
     bias = n.inputs[4] if len(n.inputs) > 4 else ""
     j = g.only_reader(n.outputs[0])
@@ -115,9 +105,8 @@ def _rotary_reader(g: NodeGraph, i: int) -> int | None:
     if node is None or node.op != QKV_ROTARY_CACHE_WRITE or node.inputs[0] != n.outputs[0]:
         return None
     a = node.attrs
-    d = a["head_dim"]
-    heads = a["num_heads"] + 2 * a["num_kv_heads"]
-    if d % 16 or n.attrs["out_features"] != heads * d or (bias and not g.is_constant(bias)):
+    shape = (n.attrs["out_features"], a["num_heads"], a["num_kv_heads"], a["head_dim"])
+    if fk.rotary_supports(*shape) or (bias and not g.is_constant(bias)):
         return None
     if not all(g.ready_before(t, i) for t in node.inputs[1:]):
         return None

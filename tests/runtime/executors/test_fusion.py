@@ -218,8 +218,9 @@ def test_int4_qkv_with_a_bias_takes_its_rotary_and_cache_write():
         x = torch.randn(tokens, k, generator=gen).to(torch.float16).to(DEVICE)
         pos = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
         slots = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
-        caches = [torch.zeros(2, 4, 16, kv_heads, d, dtype=torch.float16, device=DEVICE)] * 2
-        caches[1] = caches[0].clone()
+        caches = [
+            torch.zeros(2, 4, 16, kv_heads, d, dtype=torch.float16, device=DEVICE) for _ in "ab"
+        ]
         (qkv,) = ONNX_OPS[("trtc", "Int4Gemm")]([x, qweight, scales, zeros, bias], gemm)
         rest = [constants["cos"], constants["sin"], pos]
         (want,) = RUNTIME_OPS[QKV_ROTARY_CACHE_WRITE]([qkv, *rest, caches[0], slots], attn)
