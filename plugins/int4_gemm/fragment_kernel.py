@@ -750,9 +750,10 @@ class RotaryWrite:
         )
 
 
-def rotary_supports(out_features: int, heads: int, kv_heads: int, head_dim: int) -> str | None:
-    """None if a layer of ``out_features`` rows can end in the rotary epilogue, else why not:
-    its rows must be the q/k/v heads, of a multiple of 16 dimensions (`interleave_rotary`)."""
+def rotary_refusal(out_features: int, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why a layer of ``out_features`` rows cannot end in the rotary epilogue, or None if it
+    can: its rows must be the q/k/v heads, of a multiple of 16 dimensions
+    (`interleave_rotary`)."""
     if out_features != (heads + 2 * kv_heads) * head_dim or head_dim % 16:
         return (
             f"a rotary epilogue needs q/k/v rows ({heads} + 2 x {kv_heads} heads of "
@@ -783,8 +784,7 @@ def int4_gemm_fragment(
     (the two halves of a rotation are in one lane's accumulators)."""
     n, k = weight.out_features, weight.in_features
     if rotary is not None:
-        r = rotary
-        why = rotary_supports(n, r.num_heads, r.num_kv_heads, r.head_dim)
+        why = rotary_refusal(n, rotary.num_heads, rotary.num_kv_heads, rotary.head_dim)
         if why:
             raise ValueError(f"Int4Gemm fragment kernel: {why}")
     x2 = x.reshape(-1, k).contiguous()

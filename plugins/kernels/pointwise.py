@@ -162,10 +162,12 @@ def add_rms_norm(
 
 @triton.jit
 def rotate_halves(x1, x2, c, s, out_ty: tl.constexpr):
-    """Non-interleaved RoPE of one head's halves, in the input dtype (as the torch spelling
-    computes it; `_rotary`, `_qkv_rotary_write` and the fragment kernel's epilogue). The fmas
-    are spelled out: left to the compiler, ``x1 * c - x2 * s`` may fuse either product, and two
-    kernels compiled apart (the fragment kernel's q/k/v epilogue) would round apart."""
+    """Non-interleaved RoPE of one head's halves (`_rotary`, `_qkv_rotary_write` and the
+    fragment kernel's epilogue), in the type x and the tables promote to, rounded to
+    ``out_ty``: one fma a half, each product of ``s`` rounded first (within an ulp of the
+    torch spelling, which rounds every product). The fmas are spelled out: left to the
+    compiler, ``x1 * c - x2 * s`` may fuse either product, and kernels compiled apart (the
+    fragment kernel's q/k/v epilogue) would round apart."""
     p1, p2 = x1 * s, x2 * s  # in the type x and the tables promote to
     ty = p1.dtype
     cp = c.to(ty)

@@ -106,7 +106,7 @@ def _rotary_reader(g: NodeGraph, i: int) -> int | None:
         return None
     a = node.attrs
     shape = (n.attrs["out_features"], a["num_heads"], a["num_kv_heads"], a["head_dim"])
-    if fk.rotary_supports(*shape) or (bias and not g.is_constant(bias)):
+    if fk.rotary_refusal(*shape) or (bias and not g.is_constant(bias)):
         return None
     if not all(g.ready_before(t, i) for t in node.inputs[1:]):
         return None

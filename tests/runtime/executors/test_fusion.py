@@ -219,7 +219,7 @@ def test_int4_qkv_with_a_bias_takes_its_rotary_and_cache_write():
         pos = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
         slots = torch.randperm(64, generator=gen)[:tokens].to(DEVICE)
         caches = [
-            torch.zeros(2, 4, 16, kv_heads, d, dtype=torch.float16, device=DEVICE) for _ in "ab"
+            torch.zeros(2, 4, 16, kv_heads, d, dtype=torch.float16, device=DEVICE) for _ in range(2)
         ]
         (qkv,) = ONNX_OPS[("trtc", "Int4Gemm")]([x, qweight, scales, zeros, bias], gemm)
         rest = [constants["cos"], constants["sin"], pos]
