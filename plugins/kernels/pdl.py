@@ -10,9 +10,11 @@ The contract every kernel launched with ``launch_pdl`` keeps (`begin` spells it)
   take SM space that this kernel's own programs, all started by then, leave free);
 * before it reads anything an earlier kernel may write, or writes anything an earlier kernel may
   read, it waits (``gdc_wait``: the previous grid has completed and its memory is visible).
-  What it does before the wait is limited to loads of tensors no kernel writes (weights, scales,
-  tables). Because each kernel waits for the one before it, and that one waited for its own
-  predecessor, a kernel past its wait sees every earlier kernel complete.
+  What it does before the wait is limited to loads of what no kernel of the step writes:
+  weights and scales, the step's inputs (copied in before its first kernel starts) and the KV
+  cache rows of earlier steps (the step writes only its new tokens' slots). Because each
+  kernel waits for the one before it, and that one waited for its own predecessor, a kernel
+  past its wait sees every earlier kernel complete.
 
 Kernels without PDL (cuBLAS, torch's own) keep the stream's plain ordering, and a PDL kernel after
 one of them simply starts when it completes. CUDA-graph capture keeps the programmatic edges.

@@ -15,8 +15,10 @@ Kernels:
 Which sequence a query tile belongs to is found in the kernel by a binary search over
 ``query_start_loc``, so the launch depends only on tensor shapes, never on their values: the step
 can be captured in a CUDA graph. All three launch with programmatic dependent launch where the GPU
-has it (`trtc.plugins.kernels.pdl`; every access is to data an earlier kernel may write, so each
-waits first).
+has it (`trtc.plugins.kernels.pdl`). `_write_kv` and `_combine` wait first (all they read an
+earlier kernel may write); `_paged_attention` reads the step's inputs and, for one-token queries,
+its first tile of the K/V earlier steps wrote before it waits: at batch 1 the attention of a short
+context is then mostly the wait, the query load and two small products.
 """
 
 from __future__ import annotations
@@ -107,6 +109,60 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
     return lo - 1
 
 
+# Splits whose partial outputs the merging program loads at once (`_paged_attention`).
+MERGE_CHUNK = tl.constexpr(4)
+
+
+@triton.jit
+def _kv_addr(table, pos, pos_ok, kv_head, dims, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM):
+    """Element offsets of the K rows of positions ``pos`` of one KV head in the paged cache
+    (the V rows are ``cache_kv_stride`` further), through the sequence's block table."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    return (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+
+
+@triton.jit
+def _attend_tile(
+    q, k, v, pos, pos_ok, row_pos, sliding_window, scale, m_i, l_i, acc, DOT_PRECISION
+):
+    """One K/V tile of the online softmax: the running max ``m_i``, sum ``l_i`` and output
+    ``acc`` of the query rows after the positions ``pos`` (a causal and windowed view)."""
+    # In the query's dtype: exact for an FP8 cache (every E4M3 value is an fp16/bf16 value).
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    visible = pos_ok[None, :] & (pos[None, :] <= row_pos[:, None])
+    if sliding_window > 0:
+        visible &= pos[None, :] > row_pos[:, None] - sliding_window
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION).to(
+        tl.float32
+    )
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_one(q, k, v, scale, m_i, l_i, acc):
+    """The online softmax after one more position that every query row sees (a decode token's
+    own): its score a row-wise dot in fp32, its weight rounded to the query dtype as
+    `_attend_tile`'s product rounds it."""
+    k = k.to(q.dtype).to(tl.float32)
+    v = v.to(q.dtype).to(tl.float32)
+    s = tl.sum(q.to(tl.float32) * k[None, :], 1) * scale
+    m_new = tl.maximum(m_i, s)
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v[None, :]
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _paged_attention(
     q_ptr,
@@ -139,9 +195,13 @@ def _paged_attention(
     SEQS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     MERGE_LAST: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
+    # Everything up to `pdl.begin` reads only the step's inputs (block tables, lengths, query
+    # starts: copied in before the step's first kernel) and, with PREFETCH, the K/V that earlier
+    # steps wrote: no kernel of this step writes them, so they are read before the wait for the
+    # kernel before (the module docstring).
     # HEADS_FIRST: the KV heads of one (tile, split) are neighbouring programs, so the rows of a
     # cache block (all KV heads of a position side by side) are read at about the same time.
     tile = tl.program_id(1 if HEADS_FIRST else 0)
@@ -182,11 +242,6 @@ def _paged_attention(
     row_pos = context_len - num_new + (row_token - q_begin)  # absolute position of each query
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],
-        mask=row_valid[:, None] & dim_ok[None, :],
-        other=0.0,
-    )
 
     # Keys this tile may see: up to the last query's position, from the first query's window.
     last_pos = tl.minimum(context_len - num_new + (q_start - q_begin) + TILE_Q, context_len)
@@ -204,30 +259,51 @@ def _paged_attention(
     acc = tl.zeros([TILE_M, HEAD_DIM_P2], tl.float32)
     offs_k = tl.arange(0, TILE_K)
     table = block_tables_ptr + seq.to(tl.int64) * max_blocks
-    for start in range(k_begin, k_end, TILE_K):
-        pos = start + offs_k
-        pos_ok = pos < k_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-        addr = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        # In the query's dtype: exact for an FP8 cache (every E4M3 value is an fp16/bf16 value).
-        k = tl.load(cache_ptr + addr, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        visible = pos_ok[None, :] & (pos[None, :] <= row_pos[:, None])
-        if sliding_window > 0:
-            visible &= pos[None, :] > row_pos[:, None] - sliding_window
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION).to(
-            tl.float32
+    loop_begin = k_begin
+    loop_end = k_end
+    if PREFETCH:
+        # One new token (DECODE): the tiles hold the positions earlier steps wrote, and the
+        # split that holds the token's own position adds it after the tiles (`_attend_one`).
+        # The first tile is read before the wait; at a short context that is the split's whole
+        # read, off the critical path.
+        new_pos = context_len - 1
+        loop_end = tl.minimum(k_end, new_pos)
+        pos0 = k_begin + offs_k
+        pos0_ok = pos0 < loop_end
+        addr0 = _kv_addr(table, pos0, pos0_ok, kv_head, dims, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        mask0 = pos0_ok[:, None] & dim_ok[None, :]
+        k0 = tl.load(cache_ptr + addr0, mask=mask0, other=0.0)
+        v0 = tl.load(cache_ptr + cache_kv_stride + addr0, mask=mask0, other=0.0)
+        has_new = (k_begin <= new_pos) & (new_pos < k_end)
+        new_block = tl.load(table + new_pos // BLOCK_SIZE, mask=has_new, other=0).to(tl.int64)
+        new_slot = new_block * BLOCK_SIZE + new_pos % BLOCK_SIZE
+        new_addr = (new_slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+    pdl.begin(PDL)
+    q = tl.load(
+        q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],
+        mask=row_valid[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    if PREFETCH:
+        m_i, l_i, acc = _attend_tile(
+            q, k0, v0, pos0, pos0_ok, row_pos, sliding_window, scale, m_i, l_i, acc, DOT_PRECISION
         )
-        m_i = m_new
+        loop_begin = k_begin + TILE_K
+    for start in range(loop_begin, loop_end, TILE_K):
+        pos = start + offs_k
+        pos_ok = pos < loop_end
+        addr = _kv_addr(table, pos, pos_ok, kv_head, dims, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(cache_ptr + addr, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(
+            q, k, v, pos, pos_ok, row_pos, sliding_window, scale, m_i, l_i, acc, DOT_PRECISION
+        )
+    if PREFETCH:
+        if has_new:
+            k_new = tl.load(cache_ptr + new_addr + dims, mask=dim_ok, other=0.0)
+            v_new = tl.load(cache_ptr + cache_kv_stride + new_addr + dims, mask=dim_ok, other=0.0)
+            m_i, l_i, acc = _attend_one(q, k_new, v_new, scale, m_i, l_i, acc)
 
     acc = acc * v_scale  # an FP8 cache's V scale (else 1)
     out_rows = row_token[:, None] * NUM_HEADS + row_head[:, None]
@@ -257,45 +333,35 @@ def _paged_attention(
                 first = (row_token * NUM_HEADS + row_head) * NUM_SPLITS
                 out_mask = row_valid[:, None] & dim_ok[None, :]
                 # Only the splits that had positions to read: a short context leaves the rest
-                # empty (nothing in them to merge), and the merge costs a round trip per split.
+                # empty (nothing in them to merge), and each chunk of partial outputs read is a
+                # round trip.
                 used = tl.minimum(tl.cdiv(span, per_split), NUM_SPLITS)
-                m_max = tl.full([TILE_M], float("-inf"), tl.float32)
-                for s in range(used):
-                    # .cg: read L2, not a stale L1 line of an earlier launch.
-                    m_max = tl.maximum(
-                        m_max,
-                        tl.load(
-                            part_ml_ptr + (first + s) * 2,
-                            mask=row_valid,
-                            other=float("-inf"),
-                            cache_modifier=".cg",
-                        ),
-                    )
+                # Every split's running max and sum in one round trip ([rows, splits]); .cg:
+                # read L2, not a stale L1 line of an earlier launch.
+                splits = tl.arange(0, NUM_SPLITS)
+                ml_at = part_ml_ptr + (first[:, None] + splits[None, :]) * 2
+                ml_ok = row_valid[:, None] & (splits < used)[None, :]
+                m_s = tl.load(ml_at, mask=ml_ok, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_at + 1, mask=ml_ok, other=0.0, cache_modifier=".cg")
+                m_max = tl.max(m_s, 1)
                 m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                total = tl.zeros([TILE_M], tl.float32)
+                w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max[:, None]))
+                total = tl.sum(w * l_s, 1)
                 merged = tl.zeros([TILE_M, HEAD_DIM_P2], tl.float32)
-                for s in range(used):  # split order, as `_combine`
-                    m_s = tl.load(
-                        part_ml_ptr + (first + s) * 2,
-                        mask=row_valid,
-                        other=float("-inf"),
-                        cache_modifier=".cg",
-                    )
-                    l_s = tl.load(
-                        part_ml_ptr + (first + s) * 2 + 1,
-                        mask=row_valid,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_max))
-                    a_s = tl.load(
-                        part_acc_ptr + (first + s)[:, None] * HEAD_DIM_P2 + dims[None, :],
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    total += w * l_s
-                    merged += a_s * w[:, None]
+                # The partial outputs MERGE_CHUNK splits at a time (their loads issue together),
+                # in split order, as `_combine`.
+                for c in tl.static_range(0, NUM_SPLITS, MERGE_CHUNK):
+                    if c < used:
+                        for j in tl.static_range(MERGE_CHUNK):
+                            part = first + c + j
+                            a_s = tl.load(
+                                part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :],
+                                mask=out_mask & (rows * 0 + c + j < used)[:, None],
+                                other=0.0,
+                                cache_modifier=".cg",
+                            )
+                            w_s = tl.sum(tl.where(splits[None, :] == c + j, w, 0.0), 1)
+                            merged += a_s * w_s[:, None]
                 out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
                 tl.store(
                     out_ptr + out_rows * HEAD_DIM + dims[None, :],
@@ -379,6 +445,9 @@ def plan(
         "splits": splits,
         "decode": decode,
         "num_warps": warps,
+        # A one-token query's split reads its first K/V tile before waiting for the q/k/v
+        # projection (`_paged_attention`); a query tile's many rows make its wait the smaller part.
+        "prefetch": decode,
     }
 
 
@@ -539,6 +608,7 @@ def _attend(step: _Step, p: dict, seqs: int, splits: int, merge: str, num_warps:
         SEQS=seqs,
         HEADS_FIRST=step.heads_first,
         MERGE_LAST=merge_last,
+        PREFETCH=p["prefetch"],
         num_warps=num_warps,
         num_stages=step.num_stages,
         **launch,

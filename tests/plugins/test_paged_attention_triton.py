@@ -116,6 +116,9 @@ def test_decode_split_k(splits, merge):
         merge=merge,
         padding=0,
     )
+    # 16-position tiles: a split reads several (the first before the PDL wait, the rest in the
+    # loop), and 16 splits leave 5 with positions, so the merge takes a second chunk of splits.
+    check(seqs, 8, 2, 16, 16, splits=splits, seed=11, num_blocks=32, merge=merge, tile_k=16)
     assert arrival_counters.all_zero()
 
 
@@ -265,7 +268,7 @@ for heads, kv_heads, head_dim in [(32, 4, 64), (32, 8, 128), (32, 1, 128), (9, 3
                   HEAD_DIM=head_dim, HEAD_DIM_P2=tk._pow2(head_dim), BLOCK_SIZE=16,
                   TILE_Q=p["tile_q"], TILE_M=p["tile_m"], TILE_K=64, NUM_SPLITS=p["splits"],
                   DOT_PRECISION="tf32", DECODE=p["decode"], SEQS=2 if p["singles"] else 0,
-                  HEADS_FIRST=True, MERGE_LAST=False, PDL=True)
+                  HEADS_FIRST=True, MERGE_LAST=False, PREFETCH=p["prefetch"], PDL=True)
     sig = {"q_ptr": "*fp16", "cache_ptr": "*fp16", "out_ptr": "*fp16", "part_acc_ptr": "*fp32",
            "part_ml_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
            "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "num_seqs": "i32",
