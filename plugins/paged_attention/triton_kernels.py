@@ -18,7 +18,11 @@ can be captured in a CUDA graph. All three launch with programmatic dependent la
 has it (`trtc.plugins.kernels.pdl`). `_write_kv` and `_combine` wait first (all they read an
 earlier kernel may write); `_paged_attention` reads the step's inputs and, for one-token queries,
 its first tile of the K/V earlier steps wrote before it waits: at batch 1 the attention of a short
-context is then mostly the wait, the query load and two small products.
+context is then mostly the wait, the query load and two small products. That read holds because a
+step writes only its new tokens' slots: blocks shared through the prefix cache are full and never
+written, a prompt's last token always goes into a block of its own, a block joins the prefix cache
+only after its step, and padding rows have slot -1. A step that copied or wrote other cache rows
+on the GPU would have to end that read.
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ class BlockManager:
     def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
         """The blocks of the longest cached prefix of ``seq``'s tokens (a lookup: changes nothing).
         Stops one token short of the end: the last token is always recomputed, so that the step
-        has logits to sample from."""
+        has logits to sample from. A shared block is full and never written again (the decode
+        attention reads earlier positions before waiting for the step's own cache writes:
+        `trtc.plugins.paged_attention.triton_kernels`)."""
         if not self.enable_prefix_caching:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size

@@ -36,10 +36,12 @@ def check(
     atol=2e-5,
     kv_scales=None,
     padding=1,
+    before=None,
     **options,
 ):
     """``kv_scales=(k_scale, v_scale)``: the cache is FP8 (context stored through the reference's
-    `to_cache`), and the reference reads the very same FP8 cache."""
+    `to_cache`), and the reference reads the very same FP8 cache. ``before``: called just
+    before the kernels are launched (a kernel to launch ahead of them)."""
     ref = make_case(
         seqs, heads, kv_heads, D, block_size, num_blocks, seed, dtype=torch.float32, padding=padding
     )
@@ -70,6 +72,8 @@ def check(
             fp8[i] = to_cache(ref.kv_cache[i], fp8.dtype, s)
         ref.kv_cache, kern.kv_cache = fp8, fp8.clone().to(DEVICE)
     want, want_cache = reference_attention(*ref.args(), **kw)
+    if before is not None:
+        before()
     got, got_cache = triton_kernels.paged_attention(
         *kern.args(), num_splits=splits, **options, **kw
     )
@@ -118,7 +122,7 @@ def test_decode_split_k(splits, merge):
     )
     # 16-position tiles: a split reads several (the first before the PDL wait, the rest in the
     # loop), and 16 splits leave 5 with positions, so the merge takes a second chunk of splits.
-    check(seqs, 8, 2, 16, 16, splits=splits, seed=11, num_blocks=32, merge=merge, tile_k=16)
+    check([(70, 1)], 8, 2, 16, 16, splits=splits, seed=11, num_blocks=32, merge=merge, tile_k=16)
     assert arrival_counters.all_zero()
 
 
@@ -175,6 +179,11 @@ def test_sliding_window(singles):
 def test_fp8_kv_cache(splits):
     seqs = [(20, 1), (0, 9), (13, 4), (40, 1)]
     check(seqs, 8, 2, 16, 8, splits=splits, seed=21, kv_scales=(0.02, 0.015))
+    # The one-token sequences through the decode-shaped launch (its first tile read before the
+    # wait, the token's own K/V after), in a mixed step and in a decode step.
+    check(seqs, 8, 2, 16, 8, splits=splits, seed=22, kv_scales=(0.02, 0.015), singles=True)
+    decode = [(20, 1), (5, 1), (40, 1)]
+    check(decode, 8, 2, 16, 8, splits=splits, seed=23, kv_scales=(0.02, 0.015), padding=0)
 
 
 @pytest.mark.gpu
@@ -202,6 +211,51 @@ def test_gpu_real_sizes(dtype, kv_heads, head_dim):
     seqs = [(2047, 1)] * 8 + [(0, 300), (500, 129), (17, 1)]
     check(seqs, 32, kv_heads, head_dim, 16, dtype=dtype, seed=11, num_blocks=2048, atol=1e-2)
     assert arrival_counters.all_zero()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_reads_the_new_token_after_its_wait():
+    """A decode launch reads the K/V of earlier steps before its PDL wait and the token's own
+    after it. Here the kernel ahead of it (`_write_kv`, which writes the new tokens' K/V, as the
+    q/k/v projection's epilogue does in a step) is itself held back by a spinning kernel, so the
+    attention's programs start long before the new K/V are in the cache: an early read of the
+    token's own slot sees zeros and the output is wrong."""
+    import triton
+    import triton.language as tl
+
+    from trtc.plugins.kernels import pdl
+
+    @triton.jit
+    def spin(out_ptr, n, PDL: tl.constexpr):
+        pdl.begin(PDL)
+        acc = tl.load(out_ptr)
+        for _ in range(n):  # dependent fmas: about half a millisecond
+            acc = acc * 0.999 + 1.0
+        tl.store(out_ptr, acc)
+
+    flag = torch.zeros(1, device="cuda")
+
+    def hold_back():
+        spin[(1,)](flag, 200_000, **pdl.launch_options(flag.device))
+
+    assert pdl.enabled(flag.device), "the GPU runs this test only where it has PDL"
+    # New positions at the start, the middle and the end of a 64-position tile, and alone.
+    seqs = [(0, 1), (37, 1), (63, 1), (64, 1), (200, 1)]
+    for splits in (None, 1):
+        check(
+            seqs,
+            32,
+            4,
+            64,
+            16,
+            dtype=torch.float16,
+            seed=31,
+            num_blocks=128,
+            atol=1e-2,
+            padding=0,
+            splits=splits,
+            before=hold_back,
+        )
 
 
 def test_fp8_rounding_is_torchs_bit_for_bit():
