@@ -118,12 +118,18 @@ MERGE_CHUNK = tl.constexpr(4)
 
 
 @triton.jit
-def _kv_addr(table, pos, pos_ok, kv_head, dims, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM):
-    """Element offsets of the K rows of positions ``pos`` of one KV head in the paged cache
-    (the V rows are ``cache_kv_stride`` further), through the sequence's block table."""
+def _load_tile(cache_ptr, cache_kv_stride, table, pos, end, kv_head, dims, BLOCK_SIZE, KV, D):
+    """``(k, v, pos_ok)``: the K and V rows of KV head ``kv_head`` (``KV`` heads of ``D``
+    dimensions a slot) at positions ``pos`` (those before ``end``; zeros elsewhere) of the paged
+    cache, through the sequence's block table."""
+    pos_ok = pos < end
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-    return (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims[None, :]
+    addr = (slot[:, None] * KV + kv_head) * D + dims[None, :]
+    mask = pos_ok[:, None] & (dims < D)[None, :]
+    k = tl.load(cache_ptr + addr, mask=mask, other=0.0)
+    v = tl.load(cache_ptr + cache_kv_stride + addr, mask=mask, other=0.0)
+    return k, v, pos_ok
 
 
 @triton.jit
@@ -246,6 +252,8 @@ def _paged_attention(
     row_pos = context_len - num_new + (row_token - q_begin)  # absolute position of each query
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < HEAD_DIM
+    KV: tl.constexpr = NUM_KV_HEADS  # short names for the `_load_tile` calls
+    D: tl.constexpr = HEAD_DIM
 
     # Keys this tile may see: up to the last query's position, from the first query's window.
     last_pos = tl.minimum(context_len - num_new + (q_start - q_begin) + TILE_Q, context_len)
@@ -273,15 +281,13 @@ def _paged_attention(
         new_pos = context_len - 1
         loop_end = tl.minimum(k_end, new_pos)
         pos0 = k_begin + offs_k
-        pos0_ok = pos0 < loop_end
-        addr0 = _kv_addr(table, pos0, pos0_ok, kv_head, dims, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        mask0 = pos0_ok[:, None] & dim_ok[None, :]
-        k0 = tl.load(cache_ptr + addr0, mask=mask0, other=0.0)
-        v0 = tl.load(cache_ptr + cache_kv_stride + addr0, mask=mask0, other=0.0)
+        k0, v0, pos0_ok = _load_tile(
+            cache_ptr, cache_kv_stride, table, pos0, loop_end, kv_head, dims, BLOCK_SIZE, KV, D
+        )
         has_new = (k_begin <= new_pos) & (new_pos < k_end)
         new_block = tl.load(table + new_pos // BLOCK_SIZE, mask=has_new, other=0).to(tl.int64)
         new_slot = new_block * BLOCK_SIZE + new_pos % BLOCK_SIZE
-        new_addr = (new_slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+        new_addr = (new_slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims
     pdl.begin(PDL)
     q = tl.load(
         q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],
@@ -295,18 +301,16 @@ def _paged_attention(
         loop_begin = k_begin + TILE_K
     for start in range(loop_begin, loop_end, TILE_K):
         pos = start + offs_k
-        pos_ok = pos < loop_end
-        addr = _kv_addr(table, pos, pos_ok, kv_head, dims, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_ptr + addr, mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + cache_kv_stride + addr, mask=kv_mask, other=0.0)
+        k, v, pos_ok = _load_tile(
+            cache_ptr, cache_kv_stride, table, pos, loop_end, kv_head, dims, BLOCK_SIZE, KV, D
+        )
         m_i, l_i, acc = _attend_tile(
             q, k, v, pos, pos_ok, row_pos, sliding_window, scale, m_i, l_i, acc, DOT_PRECISION
         )
     if PREFETCH:
         if has_new:
-            k_new = tl.load(cache_ptr + new_addr + dims, mask=dim_ok, other=0.0)
-            v_new = tl.load(cache_ptr + cache_kv_stride + new_addr + dims, mask=dim_ok, other=0.0)
+            k_new = tl.load(cache_ptr + new_addr, mask=dim_ok, other=0.0)
+            v_new = tl.load(cache_ptr + cache_kv_stride + new_addr, mask=dim_ok, other=0.0)
             m_i, l_i, acc = _attend_one(q, k_new, v_new, scale, m_i, l_i, acc)
 
     acc = acc * v_scale  # an FP8 cache's V scale (else 1)
@@ -450,8 +454,10 @@ def plan(
         "decode": decode,
         "num_warps": warps,
         # A one-token query's split reads its first K/V tile before waiting for the q/k/v
-        # projection (`_paged_attention`); a query tile's many rows make its wait the smaller part.
-        "prefetch": decode,
+        # projection (`_paged_attention`); a query tile's many rows make its wait the smaller
+        # part. Not at head dim 128: compiled for sm_90 at 2 warps, the tile held across the
+        # wait spilled 1-13 KB a thread (the launch without it: 352 bytes).
+        "prefetch": decode and _pow2(head_dim) <= 64,
     }
 
 
