@@ -364,6 +364,7 @@ def _paged_attention(
                             part = first + c + j
                             a_s = tl.load(
                                 part_acc_ptr + part[:, None] * HEAD_DIM_P2 + dims[None, :],
+                                # (a [rows] vector: Triton's interpreter takes no scalar here)
                                 mask=out_mask & (rows * 0 + c + j < used)[:, None],
                                 other=0.0,
                                 cache_modifier=".cg",
