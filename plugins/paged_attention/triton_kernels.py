@@ -295,6 +295,10 @@ def _paged_attention(
         other=0.0,
     )
     if PREFETCH:
+        # The new token's own K/V (the q/k/v kernel's write) in the same round trip as q; a
+        # split without it reads block 0's first slot (in bounds) and leaves it unused.
+        k_new = tl.load(cache_ptr + new_addr, mask=dim_ok, other=0.0)
+        v_new = tl.load(cache_ptr + cache_kv_stride + new_addr, mask=dim_ok, other=0.0)
         m_i, l_i, acc = _attend_tile(
             q, k0, v0, pos0, pos0_ok, row_pos, sliding_window, scale, m_i, l_i, acc, DOT_PRECISION
         )
@@ -309,8 +313,6 @@ def _paged_attention(
         )
     if PREFETCH:
         if has_new:
-            k_new = tl.load(cache_ptr + new_addr, mask=dim_ok, other=0.0)
-            v_new = tl.load(cache_ptr + cache_kv_stride + new_addr, mask=dim_ok, other=0.0)
             m_i, l_i, acc = _attend_one(q, k_new, v_new, scale, m_i, l_i, acc)
 
     acc = acc * v_scale  # an FP8 cache's V scale (else 1)
@@ -437,9 +439,8 @@ def plan(
         while tiles * num_kv_heads * splits < 4 * sms and splits < 16:
             splits *= 2
     # Warps: the decode launch keeps the 2 it was timed with; a prefill / mixed tile (64 query
-    # rows and more) takes 4. With 2 its tiles spilled 1-2 KB a thread on sm_90 and the launch
-    # was the slowest timed; 8 spill nothing at head dim 128 but were slower than 4, which
-    # spill 736 bytes there (docs/gpu-kernels.md, "PagedAttention", 2026-12-06).
+    # rows and more) takes 4: with 2 it spilled on sm_90 and was the slowest timed, and 8 were
+    # slower than 4 (docs/gpu-kernels.md, "PagedAttention", 2026-12-06).
     warps = 2 if decode else 4
     return {
         # A mixed step's one-token sequences in a decode-shaped launch of their own, at head
@@ -456,8 +457,8 @@ def plan(
         "num_warps": warps,
         # A one-token query's split reads its first K/V tile before waiting for the q/k/v
         # projection (`_paged_attention`); a query tile's many rows make its wait the smaller
-        # part. Not at head dim 128: compiled for sm_90 at 2 warps, the tile held across the
-        # wait spilled 1-13 KB a thread (the launch without it: 352 bytes).
+        # part. Not at head dim 128: at 2 warps the tile held across the wait takes all 255
+        # registers a thread on sm_90 (ptxas spills).
         "prefetch": decode and _pow2(head_dim) <= 64,
     }
 
