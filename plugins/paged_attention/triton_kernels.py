@@ -456,10 +456,12 @@ def plan(
         "decode": decode,
         "num_warps": warps,
         # A one-token query's split reads its first K/V tile before waiting for the q/k/v
-        # projection (`_paged_attention`); a query tile's many rows make its wait the smaller
-        # part. Not at head dim 128: at 2 warps the tile held across the wait takes all 255
-        # registers a thread on sm_90 (ptxas spills).
-        "prefetch": decode and _pow2(head_dim) <= 64,
+        # projection (`_paged_attention`), where its programs fit the SMs at once: at batch 1-2
+        # the step is 4-7% faster, at 8 and 64 sequences (512-1,024 programs, holding twice the
+        # registers) it was as fast or slower (docs/gpu-kernels.md, "PagedAttention"). A query
+        # tile's many rows make its wait the smaller part. Not at head dim 128: at 2 warps the
+        # tile held across the wait takes all 255 registers a thread on sm_90.
+        "prefetch": decode and _pow2(head_dim) <= 64 and tiles * num_kv_heads * splits <= sms,
     }
 
 
@@ -481,6 +483,7 @@ def paged_attention(
     write_kv: bool = True,
     merge: str = "auto",
     singles: bool | None = None,
+    prefetch: bool | None = None,
     **attrs,
 ):
     """Same contract as the reference: returns ``(out [T, H*D], kv_cache)``, cache written in place;
@@ -489,7 +492,8 @@ def paged_attention(
     an fp16/bf16 value); ``k_scale`` folds into the softmax scale and ``v_scale`` into the output.
     The other keywords choose the launch (`plan` by default); ``num_splits`` is the context
     split of the launch that has one (a decode step's, or a mixed step's one-token sequences'
-    with ``singles``), ``num_warps`` the warps of the query tiles' launch."""
+    with ``singles``), ``num_warps`` the warps of the query tiles' launch, ``prefetch`` whether
+    that launch reads a K/V tile before its PDL wait."""
     a = SPEC.attribute_values(attrs)
     num_heads, num_kv_heads, head_dim = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     k_scale, v_scale = a["k_scale"], a["v_scale"]
@@ -514,7 +518,7 @@ def paged_attention(
             FP8=fp8,
             **pdl.launch_options(query.device),
         )
-    p = plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim)
+    p = _with_prefetch(plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim), prefetch)
     if singles is None:
         singles = p["singles"]
     out = torch.empty_like(query)
@@ -537,10 +541,15 @@ def paged_attention(
         # a decode step's launch (single-token tiles, the context split), merged by the last
         # split (a `_combine` launch would rewrite every token's rows); the rest through the
         # query tiles, whose programs skip the one-token sequences.
-        one = plan(num_seqs, num_seqs, num_heads, num_kv_heads, head_dim)
+        one = _with_prefetch(plan(num_seqs, num_seqs, num_heads, num_kv_heads, head_dim), prefetch)
         _attend(step, one, 1, num_splits or one["splits"], "last", one["num_warps"])
         _attend(step, p, 2, 1, merge, num_warps or p["num_warps"])
     return out, kv_cache
+
+
+def _with_prefetch(p: dict, prefetch: bool | None) -> dict:
+    """The plan with the caller's choice of the early K/V read (a decode-shaped launch's only)."""
+    return p if prefetch is None or not p["decode"] else dict(p, prefetch=prefetch)
 
 
 class _Step(NamedTuple):

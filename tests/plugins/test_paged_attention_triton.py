@@ -123,6 +123,21 @@ def test_decode_split_k(splits, merge):
     # 16-position tiles: a split reads several (the first before the PDL wait, the rest in the
     # loop), and 16 splits leave 5 with positions, so the merge takes a second chunk of splits.
     check([(70, 1)], 8, 2, 16, 16, splits=splits, seed=11, num_blocks=32, merge=merge, tile_k=16)
+    # The early K/V read at every split and merge, whatever `plan` gives for the batch: four
+    # sequences, one with no position before its new one.
+    check(
+        seqs,
+        8,
+        2,
+        16,
+        16,
+        splits=splits,
+        seed=12,
+        num_blocks=32,
+        merge=merge,
+        padding=0,
+        prefetch=True,
+    )
     assert arrival_counters.all_zero()
 
 
@@ -255,6 +270,7 @@ def test_gpu_decode_reads_the_new_token_after_its_wait():
             padding=0,
             splits=splits,
             before=hold_back,
+            prefetch=True,
         )
 
 
@@ -318,7 +334,7 @@ from trtc.plugins.paged_attention import triton_kernels as tk
 # (heads, KV heads, head dim): the 1.1B and 8B geometries, multi-query, and SmolLM2's; a
 # prefill / mixed step (64-row query tiles) and a decode step (one-token queries).
 for heads, kv_heads, head_dim in [(32, 4, 64), (32, 8, 128), (32, 1, 128), (9, 3, 64)]:
-    for tokens, seqs in [(300, 3), (4, 4)]:
+    for tokens, seqs in [(300, 3), (1, 1)]:
         p = tk.plan(tokens, seqs, heads, kv_heads, head_dim)
         consts = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, GROUP=heads // kv_heads,
                       HEAD_DIM=head_dim, HEAD_DIM_P2=tk._pow2(head_dim), BLOCK_SIZE=16,
