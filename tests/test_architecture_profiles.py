@@ -2,7 +2,15 @@
 
 import pytest
 
-from trtc.architectures import FEATURES, arch_name, architecture_profiles, features_of, has_feature
+from trtc.architectures import (
+    DEFAULT_SM_COUNT,
+    FEATURES,
+    arch_name,
+    architecture_profiles,
+    features_of,
+    has_feature,
+    sm_count,
+)
 
 
 def test_features_follow_the_profiles():
@@ -23,3 +31,12 @@ def test_unknown_feature_is_refused_and_cpu_has_none():
     with pytest.raises(ValueError, match="not a kernel feature"):
         has_feature(torch.device("cpu"), "tma")
     assert not has_feature(torch.device("cpu"), "pdl")
+
+
+def test_sm_count_is_the_gpus_and_a_default_off_it():
+    import torch
+
+    assert sm_count(torch.device("cpu")) == DEFAULT_SM_COUNT
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        assert sm_count(torch.device("cuda", 0)) == props.multi_processor_count

@@ -59,3 +59,26 @@ def has_feature(device, feature: str) -> bool:
 
         device = device.index if device.index is not None else torch.cuda.current_device()
     return feature in features_of(_device_capability(device))
+
+
+# The SM count planning assumes where the tensors are not on a GPU (Triton's CPU interpreter):
+# an H100 SXM's.
+DEFAULT_SM_COUNT = 132
+
+
+@cache
+def _device_sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (a ``torch.device``), which launch plans fill;
+    `DEFAULT_SM_COUNT` off the GPU."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_sm_count(index)

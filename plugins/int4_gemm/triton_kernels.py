@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.architectures import has_feature
+from trtc.architectures import has_feature, sm_count
 from trtc.plugins.kernels import pdl
 from trtc.plugins.kernels.arrival_counters import arrival_counters
 
@@ -744,11 +744,6 @@ def supports(group_size: int) -> bool:
     return 32 <= group_size <= 256 and group_size & (group_size - 1) == 0
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def split_k_for(tiles: int, steps: int, slots: int, tokens: int, k: int, min_steps: int = 2) -> int:
     """K splits for a decode launch of ``tiles`` row blocks: as many as fill ``slots`` programs
     (the programs the SMs hold at once: one wave), keeping at least
@@ -918,12 +913,7 @@ def int4_gemm(
     groups = scales.shape[1]
     mode = _dot_mode(x)
     if plan is None:
-        sms = 132
-        if x.is_cuda:
-            sms = _sm_count(
-                x.device.index if x.device.index is not None else torch.cuda.current_device()
-            )
-        plan = default_plan(tokens, n, k, group_size, sms, fp16=mode == FP16)
+        plan = default_plan(tokens, n, k, group_size, sm_count(x.device), fp16=mode == FP16)
     check_plan(plan, tokens)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     bias_arg = bias.contiguous() if bias is not None else scales  # unread when HAS_BIAS is off

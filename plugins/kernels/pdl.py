@@ -14,7 +14,10 @@ The contract every kernel launched with ``launch_pdl`` keeps (`begin` spells it)
   weights and scales, the step's inputs (copied in before its first kernel starts) and the KV
   cache rows of earlier steps (the step writes only its new tokens' slots). Because each
   kernel waits for the one before it, and that one waited for its own predecessor, a kernel
-  past its wait sees every earlier kernel complete.
+  past its wait sees every earlier kernel complete;
+* so every program waits before it exits, even one with nothing to do: a grid whose programs
+  all returned without waiting could complete before its predecessor, and the kernel after it
+  would no longer see that one.
 
 Kernels without PDL (cuBLAS, torch's own) keep the stream's plain ordering, and a PDL kernel after
 one of them simply starts when it completes. CUDA-graph capture keeps the programmatic edges.

@@ -20,9 +20,9 @@ earlier kernel may write); `_paged_attention` reads the step's inputs and, for o
 its first tile of the K/V earlier steps wrote before it waits: at batch 1 the attention of a short
 context is then mostly the wait, the query load and two small products. That read holds because a
 step writes only its new tokens' slots: blocks shared through the prefix cache are full and never
-written, a prompt's last token always goes into a block of its own, a block joins the prefix cache
-only after its step, and padding rows have slot -1. A step that copied or wrote other cache rows
-on the GPU would have to end that read.
+written, a prompt's last token is never in a shared block (the prefix lookup stops one token
+short), a block joins the prefix cache only after its step, and padding rows have slot -1. A
+step that copied or wrote other cache rows on the GPU would have to end that read.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtc.architectures import DEFAULT_SM_COUNT, sm_count
 from trtc.plugins.kernels import pdl
 from trtc.plugins.kernels.arrival_counters import arrival_counters
 from trtc.plugins.paged_attention import SPEC
@@ -113,8 +114,12 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
     return lo - 1
 
 
-# Splits whose partial outputs the merging program loads at once (`_paged_attention`).
-MERGE_CHUNK = tl.constexpr(4)
+def merge_chunk(tile_m: int, head_dim_p2: int) -> int:
+    """Splits whose ``[TILE_M, D]`` fp32 partial outputs the merging program loads at once
+    (`_paged_attention`, MERGE_LAST): four at 16 x 64 (the 1.1B model's decode tile, as timed),
+    fewer for larger tiles, whose four loads would not fit in a thread's registers (at 32 x 128,
+    multi-query, they spilled on sm_90)."""
+    return max(1, min(4, 4096 // (tile_m * head_dim_p2)))
 
 
 @triton.jit
@@ -206,12 +211,15 @@ def _paged_attention(
     HEADS_FIRST: tl.constexpr,
     MERGE_LAST: tl.constexpr,
     PREFETCH: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Everything up to `pdl.begin` reads only the step's inputs (block tables, lengths, query
     # starts: copied in before the step's first kernel) and, with PREFETCH, the K/V that earlier
     # steps wrote: no kernel of this step writes them, so they are read before the wait for the
-    # kernel before (the module docstring).
+    # kernel before (the module docstring). A program with nothing to do waits too before it
+    # returns: a launch whose programs all returned early would otherwise complete before the
+    # kernel ahead of it, and the kernel after, waiting only for this one, would not see it.
     # HEADS_FIRST: the KV heads of one (tile, split) are neighbouring programs, so the rows of a
     # cache block (all KV heads of a position side by side) are read at about the same time.
     tile = tl.program_id(1 if HEADS_FIRST else 0)
@@ -225,6 +233,7 @@ def _paged_attention(
             q_begin = tl.load(query_start_loc_ptr + seq)
             q_end = tl.load(query_start_loc_ptr + seq + 1)
             if q_end - q_begin != 1:
+                pdl.begin(PDL)  # every program waits (`trtc.plugins.kernels.pdl`)
                 return
         else:  # a decode step (T == S): token = sequence
             q_begin = tile
@@ -237,8 +246,10 @@ def _paged_attention(
         first_tile = q_begin // TILE_Q + seq
         q_start = q_begin + (tile - first_tile) * TILE_Q  # first token of this tile
         if q_start >= q_end:
+            pdl.begin(PDL)
             return  # a spare tile of this sequence
         if SEQS == 2 and q_end - q_begin == 1:
+            pdl.begin(PDL)
             return  # a one-token sequence: the SEQS == 1 launch's
     context_len = tl.load(context_lens_ptr + seq)
     num_new = q_end - q_begin
@@ -278,7 +289,7 @@ def _paged_attention(
         # split that holds the token's own position adds it after the tiles (`_attend_one`).
         # The first tile is read before the wait; at a short context that is the split's whole
         # read, off the critical path.
-        new_pos = context_len - 1
+        new_pos = tl.maximum(context_len - 1, 0)  # (a context of 0 has no new position)
         loop_end = tl.minimum(k_end, new_pos)
         pos0 = k_begin + offs_k
         k0, v0, pos0_ok = _load_tile(
@@ -296,7 +307,7 @@ def _paged_attention(
     )
     if PREFETCH:
         # The new token's own K/V (the q/k/v kernel's write) in the same round trip as q; a
-        # split without it reads block 0's first slot (in bounds) and leaves it unused.
+        # split without it reads a slot of block 0 (in bounds) and leaves it unused.
         k_new = tl.load(cache_ptr + new_addr, mask=dim_ok, other=0.0)
         v_new = tl.load(cache_ptr + cache_kv_stride + new_addr, mask=dim_ok, other=0.0)
         m_i, l_i, acc = _attend_tile(
@@ -423,7 +434,7 @@ def plan(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    sms: int = 132,
+    sms: int = DEFAULT_SM_COUNT,
 ) -> dict:
     """Launch shape from tensor shapes only. Decode-only steps (one token per sequence) get
     single-token tiles and a context split large enough to fill the GPU."""
@@ -457,10 +468,11 @@ def plan(
         "num_warps": warps,
         # A one-token query's split reads its first K/V tile before waiting for the q/k/v
         # projection (`_paged_attention`), where its programs fit the SMs at once: at batch 1-2
-        # the step is 4-7% faster, at 8 and 64 sequences (512-1,024 programs, holding twice the
-        # registers) it was as fast or slower (docs/gpu-kernels.md, "PagedAttention"). A query
-        # tile's many rows make its wait the smaller part. Not at head dim 128: at 2 warps the
-        # tile held across the wait takes all 255 registers a thread on sm_90.
+        # the 1.1B step was 4-6% faster at context 256 (0.5-2.4% at 1,024); at 8 sequences
+        # (512 programs of 177 registers against 96) from 2% slower to 2% faster, at 64 1%
+        # slower (docs/gpu-kernels.md, "PagedAttention"). A query tile's many rows make its
+        # wait the smaller part. Not at head dim 128: at 2 warps the tile held across the wait
+        # takes all 255 registers a thread on sm_90.
         "prefetch": decode and _pow2(head_dim) <= 64 and tiles * num_kv_heads * splits <= sms,
     }
 
@@ -518,7 +530,10 @@ def paged_attention(
             FP8=fp8,
             **pdl.launch_options(query.device),
         )
-    p = _with_prefetch(plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim), prefetch)
+    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+        raise ValueError(f"paged_attention: num_splits must be a power of two, got {num_splits}")
+    sms = sm_count(query.device)
+    p = _with_prefetch(plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, sms), prefetch)
     if singles is None:
         singles = p["singles"]
     out = torch.empty_like(query)
@@ -541,7 +556,8 @@ def paged_attention(
         # a decode step's launch (single-token tiles, the context split), merged by the last
         # split (a `_combine` launch would rewrite every token's rows); the rest through the
         # query tiles, whose programs skip the one-token sequences.
-        one = _with_prefetch(plan(num_seqs, num_seqs, num_heads, num_kv_heads, head_dim), prefetch)
+        one = plan(num_seqs, num_seqs, num_heads, num_kv_heads, head_dim, sms)
+        one = _with_prefetch(one, prefetch)
         _attend(step, one, 1, num_splits or one["splits"], "last", one["num_warps"])
         _attend(step, p, 2, 1, merge, num_warps or p["num_warps"])
     return out, kv_cache
@@ -630,6 +646,7 @@ def _attend(step: _Step, p: dict, seqs: int, splits: int, merge: str, num_warps:
         HEADS_FIRST=step.heads_first,
         MERGE_LAST=merge_last,
         PREFETCH=p["prefetch"],
+        MERGE_CHUNK=merge_chunk(p["tile_m"], d_p2),
         num_warps=num_warps,
         num_stages=step.num_stages,
         **launch,

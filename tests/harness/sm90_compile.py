@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 
-# Defines in a probe ``compile_sm90(fn, signature, constexprs, attrs=None, **options) -> asm``
-# (the constexprs added to the signature; attrs default to 16-byte-aligned pointers) and
+# Defines in a probe ``compile_sm90(fn, signature, constexprs, attrs=None, aligned=(), **options)
+# -> asm`` (the constexprs added to the signature; attrs default to 16-byte-aligned pointers and
+# the ``aligned`` integers multiples of 16) and
 # ``ptxas_report(ptx) -> (registers, spill_store_bytes, spill_load_bytes)``.
 PTXAS_REPORT = r"""
 import re, subprocess, tempfile
@@ -20,13 +21,14 @@ from triton.backends.nvidia.compiler import get_ptxas
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def compile_sm90(fn, signature, constexprs, attrs=None, **options):
-    # Without attrs, every pointer 16-byte aligned: what Triton's launcher specializes on for
-    # torch's allocations, and what lets it vectorize loads (a compile without it assumes
+def compile_sm90(fn, signature, constexprs, attrs=None, aligned=(), **options):
+    # Without attrs, every pointer 16-byte aligned and the integers named in ``aligned``
+    # multiples of 16: what Triton's launcher specializes on (torch's allocations; integer
+    # arguments divisible by 16), and what lets it vectorize loads (a compile without it assumes
     # nothing and reads 2 bytes a load, with other registers and spills than the real launch).
     if attrs is None:
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-                 for name, kind in signature.items() if kind.startswith("*")}
+                 for name, kind in signature.items() if kind.startswith("*") or name in aligned}
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=SM90, options=options).asm

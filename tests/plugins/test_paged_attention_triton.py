@@ -120,9 +120,23 @@ def test_decode_split_k(splits, merge):
         merge=merge,
         padding=0,
     )
-    # 16-position tiles: a split reads several (the first before the PDL wait, the rest in the
-    # loop), and 16 splits leave 5 with positions, so the merge takes a second chunk of splits.
-    check([(70, 1)], 8, 2, 16, 16, splits=splits, seed=11, num_blocks=32, merge=merge, tile_k=16)
+    # 16-position tiles, one sequence (a decode step: the early read): a split reads several
+    # (the first before the PDL wait, the rest in the loop), and 16 splits leave 5 with
+    # positions, so the merge takes a second chunk of splits.
+    assert triton_kernels.plan(1, 1, 8, 2, 16)["prefetch"]
+    check(
+        [(70, 1)],
+        8,
+        2,
+        16,
+        16,
+        splits=splits,
+        seed=11,
+        num_blocks=32,
+        merge=merge,
+        tile_k=16,
+        padding=0,
+    )
     # The early K/V read at every split and merge, whatever `plan` gives for the batch: four
     # sequences, one with no position before its new one.
     check(
@@ -141,11 +155,14 @@ def test_decode_split_k(splits, merge):
     assert arrival_counters.all_zero()
 
 
+@pytest.mark.parametrize("prefetch", [None, True])
 @pytest.mark.parametrize("splits,heads_first", [(1, False), (2, True), (4, False)])
-def test_decode_only_step(splits, heads_first):
-    # T == S (no padding row): the kernel's decode path, one program column per sequence.
+def test_decode_only_step(splits, heads_first, prefetch):
+    # T == S (no padding row): the kernel's decode path, one program column per sequence; at
+    # five sequences `plan` leaves the early K/V read off, and prefetch=True forces it.
     seqs = [(70, 1), (5, 1), (33, 1), (0, 1), (16, 1)]
     assert triton_kernels.plan(5, 5, 8, 2, 16)["decode"]
+    assert not triton_kernels.plan(5, 5, 8, 2, 16)["prefetch"]
     check(
         seqs,
         8,
@@ -157,6 +174,7 @@ def test_decode_only_step(splits, heads_first):
         num_blocks=32,
         padding=0,
         heads_first=heads_first,
+        prefetch=prefetch,
     )
     check(
         seqs,
@@ -170,6 +188,7 @@ def test_decode_only_step(splits, heads_first):
         padding=0,
         window=20,
         heads_first=heads_first,
+        prefetch=prefetch,
     )
 
 
@@ -183,6 +202,23 @@ def test_plan_splits_a_mixed_steps_one_token_sequences_off_at_head_dim_128():
     assert not mixed_64["singles"] and mixed_64["num_warps"] == 4
     decode = triton_kernels.plan(64, 64, 32, 8, 128)
     assert decode["decode"] and not decode["singles"] and decode["num_warps"] == 2
+
+
+def test_plan_reads_early_where_the_decode_launch_fits_the_sms():
+    """The early K/V read (docs/gpu-kernels.md, "Decode: the K/V of earlier steps read before the
+    wait"): on where a decode launch has at most one program an SM (1.1B geometry: 1-2
+    sequences, 16 splits), off at 4 and more (at 8 and 64 timed no faster), at head dim
+    128, and on a GPU of fewer SMs at the same batch."""
+    assert [triton_kernels.plan(b, b, 32, 4, 64)["prefetch"] for b in (1, 2, 4, 8, 64)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert not triton_kernels.plan(1, 1, 32, 8, 128)["prefetch"]
+    assert not triton_kernels.plan(2, 2, 32, 4, 64, sms=114)["prefetch"]
+    assert not triton_kernels.plan(300, 3, 32, 4, 64)["prefetch"]  # query tiles
 
 
 @pytest.mark.parametrize("singles", [True, False])
@@ -228,13 +264,9 @@ def test_gpu_real_sizes(dtype, kv_heads, head_dim):
     assert arrival_counters.all_zero()
 
 
-@pytest.mark.gpu
-def test_gpu_decode_reads_the_new_token_after_its_wait():
-    """A decode launch reads the K/V of earlier steps before its PDL wait and the token's own
-    after it. Here the kernel ahead of it (`_write_kv`, which writes the new tokens' K/V, as the
-    q/k/v projection's epilogue does in a step) is itself held back by a spinning kernel, so the
-    attention's programs start long before the new K/V are in the cache: an early read of the
-    token's own slot sees zeros and the output is wrong."""
+def hold_back_the_stream():
+    """Launches, with PDL, a kernel that spins for about half a millisecond: the kernels
+    launched after it start long before it ends, and only their waits keep them in order."""
     import triton
     import triton.language as tl
 
@@ -244,16 +276,22 @@ def test_gpu_decode_reads_the_new_token_after_its_wait():
     def spin(out_ptr, n, PDL: tl.constexpr):
         pdl.begin(PDL)
         acc = tl.load(out_ptr)
-        for _ in range(n):  # dependent fmas: about half a millisecond
+        for _ in range(n):  # dependent fmas
             acc = acc * 0.999 + 1.0
         tl.store(out_ptr, acc)
 
     flag = torch.zeros(1, device="cuda")
-
-    def hold_back():
-        spin[(1,)](flag, 200_000, **pdl.launch_options(flag.device))
-
     assert pdl.enabled(flag.device), "the GPU runs this test only where it has PDL"
+    spin[(1,)](flag, 200_000, **pdl.launch_options(flag.device))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_reads_the_new_token_after_its_wait():
+    """A decode launch reads the K/V of earlier steps before its PDL wait and the token's own
+    after it. Here the kernel ahead of it (`_write_kv`, which writes the new tokens' K/V, as the
+    q/k/v projection's epilogue does in a step) is itself held back by a spinning kernel, so the
+    attention's programs start long before the new K/V are in the cache: an early read of the
+    token's own slot sees zeros and the output is wrong."""
     # New positions at the start, the middle and the end of a 64-position tile, and alone.
     seqs = [(0, 1), (37, 1), (63, 1), (64, 1), (200, 1)]
     for splits in (None, 1):
@@ -269,9 +307,32 @@ def test_gpu_decode_reads_the_new_token_after_its_wait():
             atol=1e-2,
             padding=0,
             splits=splits,
-            before=hold_back,
+            before=hold_back_the_stream,
             prefetch=True,
         )
+
+
+@pytest.mark.gpu
+def test_gpu_a_launch_with_nothing_to_do_still_waits():
+    """A mixed step at head dim 128 with no one-token sequence: the launch for those (SEQS == 1)
+    has nothing to do, and every program of it returns at once. It must still wait for the
+    kernel ahead of it (`_write_kv`, held back by a spinning kernel), or it completes first and
+    the query tiles' launch after it, which waits only for it, reads the cache before the new
+    K/V are written (`trtc.plugins.kernels.pdl`: every program waits before it exits)."""
+    assert triton_kernels.plan(57, 2, 32, 8, 128)["singles"]
+    check(
+        [(0, 40), (50, 17)],
+        32,
+        8,
+        128,
+        16,
+        dtype=torch.float16,
+        seed=32,
+        num_blocks=128,
+        atol=1e-2,
+        padding=0,
+        before=hold_back_the_stream,
+    )
 
 
 def test_fp8_rounding_is_torchs_bit_for_bit():
@@ -331,41 +392,64 @@ def test_gpu_decode_merge_in_a_cuda_graph():
 SPILL_PROBE = r"""
 from trtc.plugins.paged_attention import triton_kernels as tk
 
-# (heads, KV heads, head dim): the 1.1B and 8B geometries, multi-query, and SmolLM2's; a
-# prefill / mixed step (64-row query tiles) and a decode step (one-token queries).
+sig = {"q_ptr": "*fp16", "cache_ptr": "*fp16", "out_ptr": "*fp16", "part_acc_ptr": "*fp32",
+       "part_ml_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
+       "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "num_seqs": "i32",
+       "max_blocks": "i32", "cache_kv_stride": "i64", "scale": "fp32", "v_scale": "fp32",
+       "sliding_window": "i32"}
+
+
+def launch(p, seqs, merge_last, heads, kv_heads, head_dim):
+    consts = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, GROUP=heads // kv_heads,
+                  HEAD_DIM=head_dim, HEAD_DIM_P2=tk._pow2(head_dim), BLOCK_SIZE=16,
+                  TILE_Q=p["tile_q"], TILE_M=p["tile_m"], TILE_K=64, NUM_SPLITS=p["splits"],
+                  DOT_PRECISION="tf32", DECODE=p["decode"], SEQS=seqs, HEADS_FIRST=True,
+                  MERGE_LAST=merge_last, PREFETCH=p["prefetch"],
+                  MERGE_CHUNK=tk.merge_chunk(p["tile_m"], tk._pow2(head_dim)), PDL=True)
+    # (the cache's K-to-V stride, blocks x 16 slots x KV heads x head dim, is a multiple of 16)
+    asm = compile_sm90(tk._paged_attention, sig, consts, aligned=("cache_kv_stride",),
+                       num_warps=p["num_warps"], num_stages=3)
+    registers, stores, loads = ptxas_report(asm["ptx"])
+    kind = "singles" if seqs == 1 else "decode" if p["decode"] else "tiles"
+    print(heads, kv_heads, head_dim, kind, p["splits"], merge_last, p["num_warps"],
+          p["prefetch"], registers, f"{stores}/{loads}")
+
+
+# (heads, KV heads, head dim): the 1.1B and 8B geometries, multi-query, and SmolLM2's. Each
+# launch form `paged_attention` makes: a prefill / mixed step's query tiles (and at head dim
+# 128 its one-token sequences' launch, merged by the last split), a decode step of one sequence
+# and of 64 (merged by the last split up to MERGE_LAST_MAX_SPLITS splits).
 for heads, kv_heads, head_dim in [(32, 4, 64), (32, 8, 128), (32, 1, 128), (9, 3, 64)]:
-    for tokens, seqs in [(300, 3), (1, 1)]:
-        p = tk.plan(tokens, seqs, heads, kv_heads, head_dim)
-        consts = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, GROUP=heads // kv_heads,
-                      HEAD_DIM=head_dim, HEAD_DIM_P2=tk._pow2(head_dim), BLOCK_SIZE=16,
-                      TILE_Q=p["tile_q"], TILE_M=p["tile_m"], TILE_K=64,
-                      NUM_SPLITS=p["splits"], DOT_PRECISION="tf32", DECODE=p["decode"],
-                      SEQS=2 if p["singles"] else 0, HEADS_FIRST=True, MERGE_LAST=False,
-                      PREFETCH=p["prefetch"], PDL=True)
-        sig = {"q_ptr": "*fp16", "cache_ptr": "*fp16", "out_ptr": "*fp16",
-               "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "counter_ptr": "*i32",
-               "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
-               "query_start_loc_ptr": "*i32", "num_seqs": "i32", "max_blocks": "i32",
-               "cache_kv_stride": "i64", "scale": "fp32", "v_scale": "fp32",
-               "sliding_window": "i32"}
-        asm = compile_sm90(tk._paged_attention, sig, consts, num_warps=p["num_warps"],
-                           num_stages=3)
-        registers, stores, loads = ptxas_report(asm["ptx"])
-        print(heads, kv_heads, head_dim, "decode" if p["decode"] else "tiles", p["num_warps"],
-              p["prefetch"], registers, f"{stores}/{loads}")
+    mixed = tk.plan(300, 3, heads, kv_heads, head_dim)
+    launch(mixed, 2 if mixed["singles"] else 0, False, heads, kv_heads, head_dim)
+    if mixed["singles"]:
+        one = tk.plan(3, 3, heads, kv_heads, head_dim)
+        launch(one, 1, one["splits"] > 1, heads, kv_heads, head_dim)
+    for seqs in (1, 64):
+        p = tk.plan(seqs, seqs, heads, kv_heads, head_dim)
+        launch(p, 0, 1 < p["splits"] <= tk.MERGE_LAST_MAX_SPLITS, heads, kv_heads, head_dim)
 """
 
 
 def test_attention_launches_compile_without_spills():
-    """Each launch `plan` gives, compiled for sm_90 as Triton's launcher compiles it (16-byte
-    aligned pointers; ptxas -v), spills nothing: a prefill / mixed step's 64-row query tiles at 4
-    warps, and the decode launch at 2 with its early read of a K/V tile at head dim 64
-    (docs/gpu-kernels.md, "PagedAttention"). The query tiles at 2 warps spill 72-1,448 bytes a
-    thread, and were the slowest timed."""
+    """Each launch form `paged_attention` makes, compiled for sm_90 as Triton's launcher
+    compiles it (16-byte aligned pointers, the cache stride a multiple of 16; ptxas -v), spills
+    nothing: a prefill / mixed step's 64-row query tiles at 4 warps, its one-token sequences'
+    launch at head dim 128, and the decode launch at 2 warps, merged by `_combine` or by its
+    last split, with its early read of a K/V tile where `plan` gives it (docs/gpu-kernels.md,
+    "PagedAttention"). The query tiles at 2 warps spilled and were the slowest timed."""
     lines = run_probe(SPILL_PROBE)
-    assert len(lines) == 8, lines
+    assert len(lines) == 14, lines
+    forms = {(line.split()[3], line.split()[5]) for line in lines}  # (kind, merged by the last)
+    assert forms == {
+        ("tiles", "False"),
+        ("singles", "True"),
+        ("decode", "False"),
+        ("decode", "True"),
+    }, lines
     for line in lines:
-        _, _, head_dim, kind, warps, prefetch, _, spills = line.split()
-        assert warps == ("2" if kind == "decode" else "4"), line
-        assert prefetch == str(kind == "decode" and int(head_dim) <= 64), line
+        _, _, head_dim, kind, splits, _, warps, prefetch, _, spills = line.split()
+        assert warps == ("4" if kind == "tiles" else "2"), line
+        if kind == "decode" and splits == "16" and int(head_dim) <= 64:
+            assert prefetch == "True", line  # one sequence: the early read
         assert spills == "0/0", line  # spill stores / loads, bytes a thread
