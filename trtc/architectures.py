@@ -55,10 +55,15 @@ def has_feature(device, feature: str) -> bool:
     if not isinstance(device, int):
         if device.type != "cuda":
             return False
-        import torch
-
-        device = device.index if device.index is not None else torch.cuda.current_device()
+        device = _device_index(device)
     return feature in features_of(_device_capability(device))
+
+
+def _device_index(device) -> int:
+    """The index of a CUDA ``torch.device`` (the current device where it names none)."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 # The SM count planning assumes where the tensors are not on a GPU (Triton's CPU interpreter):
@@ -78,7 +83,4 @@ def sm_count(device) -> int:
     `DEFAULT_SM_COUNT` off the GPU."""
     if device.type != "cuda":
         return DEFAULT_SM_COUNT
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_sm_count(index)
+    return _device_sm_count(_device_index(device))

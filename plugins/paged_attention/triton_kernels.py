@@ -123,13 +123,20 @@ def merge_chunk(tile_m: int, head_dim_p2: int) -> int:
 
 
 @triton.jit
+def _slot(table, pos, pos_ok, BLOCK_SIZE):
+    """The cache slots of positions ``pos`` through the sequence's block table (block 0's where
+    not ``pos_ok``)."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    return block * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
 def _load_tile(cache_ptr, cache_kv_stride, table, pos, end, kv_head, dims, BLOCK_SIZE, KV, D):
     """``(k, v, pos_ok)``: the K and V rows of KV head ``kv_head`` (``KV`` heads of ``D``
     dimensions a slot) at positions ``pos`` (those before ``end``; zeros elsewhere) of the paged
     cache, through the sequence's block table."""
     pos_ok = pos < end
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    slot = _slot(table, pos, pos_ok, BLOCK_SIZE)
     addr = (slot[:, None] * KV + kv_head) * D + dims[None, :]
     mask = pos_ok[:, None] & (dims < D)[None, :]
     k = tl.load(cache_ptr + addr, mask=mask, other=0.0)
@@ -263,7 +270,7 @@ def _paged_attention(
     row_pos = context_len - num_new + (row_token - q_begin)  # absolute position of each query
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < HEAD_DIM
-    KV: tl.constexpr = NUM_KV_HEADS  # short names for the `_load_tile` calls
+    KV: tl.constexpr = NUM_KV_HEADS  # short names for the cache addresses below
     D: tl.constexpr = HEAD_DIM
 
     # Keys this tile may see: up to the last query's position, from the first query's window.
@@ -296,9 +303,8 @@ def _paged_attention(
             cache_ptr, cache_kv_stride, table, pos0, loop_end, kv_head, dims, BLOCK_SIZE, KV, D
         )
         has_new = (k_begin <= new_pos) & (new_pos < k_end)
-        new_block = tl.load(table + new_pos // BLOCK_SIZE, mask=has_new, other=0).to(tl.int64)
-        new_slot = new_block * BLOCK_SIZE + new_pos % BLOCK_SIZE
-        new_addr = (new_slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims
+        new_slot = _slot(table, new_pos, has_new, BLOCK_SIZE)
+        new_addr = (new_slot * KV + kv_head) * D + dims
     pdl.begin(PDL)
     q = tl.load(
         q_ptr + (row_token[:, None] * NUM_HEADS + row_head[:, None]) * HEAD_DIM + dims[None, :],

@@ -285,6 +285,24 @@ def hold_back_the_stream():
     spin[(1,)](flag, 200_000, **pdl.launch_options(flag.device))
 
 
+def check_behind_a_spinning_kernel(seqs, kv_heads, head_dim, seed, **options):
+    """`check` at 32 query heads in fp16, the kernels launched behind `hold_back_the_stream`."""
+    check(
+        seqs,
+        32,
+        kv_heads,
+        head_dim,
+        16,
+        dtype=torch.float16,
+        seed=seed,
+        num_blocks=128,
+        atol=1e-2,
+        padding=0,
+        before=hold_back_the_stream,
+        **options,
+    )
+
+
 @pytest.mark.gpu
 def test_gpu_decode_reads_the_new_token_after_its_wait():
     """A decode launch reads the K/V of earlier steps before its PDL wait and the token's own
@@ -295,21 +313,7 @@ def test_gpu_decode_reads_the_new_token_after_its_wait():
     # New positions at the start, the middle and the end of a 64-position tile, and alone.
     seqs = [(0, 1), (37, 1), (63, 1), (64, 1), (200, 1)]
     for splits in (None, 1):
-        check(
-            seqs,
-            32,
-            4,
-            64,
-            16,
-            dtype=torch.float16,
-            seed=31,
-            num_blocks=128,
-            atol=1e-2,
-            padding=0,
-            splits=splits,
-            before=hold_back_the_stream,
-            prefetch=True,
-        )
+        check_behind_a_spinning_kernel(seqs, 4, 64, 31, splits=splits, prefetch=True)
 
 
 @pytest.mark.gpu
@@ -320,19 +324,7 @@ def test_gpu_a_launch_with_nothing_to_do_still_waits():
     the query tiles' launch after it, which waits only for it, reads the cache before the new
     K/V are written (`trtc.plugins.kernels.pdl`: every program waits before it exits)."""
     assert triton_kernels.plan(57, 2, 32, 8, 128)["singles"]
-    check(
-        [(0, 40), (50, 17)],
-        32,
-        8,
-        128,
-        16,
-        dtype=torch.float16,
-        seed=32,
-        num_blocks=128,
-        atol=1e-2,
-        padding=0,
-        before=hold_back_the_stream,
-    )
+    check_behind_a_spinning_kernel([(0, 40), (50, 17)], 8, 128, 32)
 
 
 def test_fp8_rounding_is_torchs_bit_for_bit():
