@@ -430,6 +430,15 @@ def _combine(
 MERGE_LAST_MAX_SPLITS = 4
 
 
+def merges_last(splits: int, merge: str) -> bool:
+    """Whether the last split of each group merges a launch's partial results (no `_combine`
+    launch). ``merge``: "last", "kernel" (`_combine` does) or "auto": "last" up to
+    MERGE_LAST_MAX_SPLITS splits, where the last program's reads of the partials cost less than
+    a second launch (docs/gpu-kernels.md, "Merging the splits in the kernel" and "The in-kernel
+    merge again, with the early read")."""
+    return splits > 1 and (merge == "last" or (merge == "auto" and splits <= MERGE_LAST_MAX_SPLITS))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -473,12 +482,11 @@ def plan(
         "decode": decode,
         "num_warps": warps,
         # A one-token query's split reads its first K/V tile before waiting for the q/k/v
-        # projection (`_paged_attention`), where its programs fit the SMs at once: at batch 1-2
-        # the 1.1B step was 4-6% faster at context 256 (0.5-2.4% at 1,024); at 8 sequences
-        # (512 programs of 177 registers against 96) from 2% slower to 2% faster, at 64 1%
-        # slower (docs/gpu-kernels.md, "PagedAttention"). A query tile's many rows make its
-        # wait the smaller part. Not at head dim 128: at 2 warps the tile held across the wait
-        # takes all 255 registers a thread on sm_90.
+        # projection (`_paged_attention`), where its programs fit the SMs at once: beyond that
+        # its larger programs were no faster (docs/gpu-kernels.md, "Decode: the K/V of earlier
+        # steps read before the wait"). A query tile's many rows make its wait the smaller
+        # part. Not at head dim 128: at 2 warps the tile held across the wait takes all 255
+        # registers a thread on sm_90.
         "prefetch": decode and _pow2(head_dim) <= 64 and tiles * num_kv_heads * splits <= sms,
     }
 
@@ -608,14 +616,7 @@ def _attend(step: _Step, p: dict, seqs: int, splits: int, merge: str, num_warps:
         )
     else:
         part_acc = part_ml = out  # unused
-    # merge: "last" = the last split of each group merges the partial results (no second launch),
-    # "kernel" = the `_combine` kernel does, "auto" = "last" up to MERGE_LAST_MAX_SPLITS splits:
-    # the last program reads the partials one after the other, so the second launch costs less
-    # than that read once the splits are many (docs/gpu-kernels.md, "Merging the splits in the
-    # kernel").
-    merge_last = splits > 1 and (
-        merge == "last" or (merge == "auto" and splits <= MERGE_LAST_MAX_SPLITS)
-    )
+    merge_last = merges_last(splits, merge)
     counters = arrival_counters(query.device, p["tiles"] * num_kv_heads) if merge_last else out
     tiles = p["tiles"]
     grid = (num_kv_heads, tiles, splits) if step.heads_first else (tiles, num_kv_heads, splits)

@@ -410,16 +410,16 @@ def launch(p, seqs, merge_last, heads, kv_heads, head_dim):
 # (heads, KV heads, head dim): the 1.1B and 8B geometries, multi-query, and SmolLM2's. Each
 # launch form `paged_attention` makes: a prefill / mixed step's query tiles (and at head dim
 # 128 its one-token sequences' launch, merged by the last split), a decode step of one sequence
-# and of 64 (merged by the last split up to MERGE_LAST_MAX_SPLITS splits).
+# and of 64 (merged as `merges_last` says for the default merge).
 for heads, kv_heads, head_dim in [(32, 4, 64), (32, 8, 128), (32, 1, 128), (9, 3, 64)]:
     mixed = tk.plan(300, 3, heads, kv_heads, head_dim)
     launch(mixed, 2 if mixed["singles"] else 0, False, heads, kv_heads, head_dim)
     if mixed["singles"]:
         one = tk.plan(3, 3, heads, kv_heads, head_dim)
-        launch(one, 1, one["splits"] > 1, heads, kv_heads, head_dim)
+        launch(one, 1, tk.merges_last(one["splits"], "last"), heads, kv_heads, head_dim)
     for seqs in (1, 64):
         p = tk.plan(seqs, seqs, heads, kv_heads, head_dim)
-        launch(p, 0, 1 < p["splits"] <= tk.MERGE_LAST_MAX_SPLITS, heads, kv_heads, head_dim)
+        launch(p, 0, tk.merges_last(p["splits"], "auto"), heads, kv_heads, head_dim)
 """
 
 
