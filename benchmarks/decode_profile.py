@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill:
         report["prefill"] = {"tokens": args.prefill, "ms": prefill_ms(ex, args.prefill)}
         print(f"prefill of {args.prefill} tokens: {report['prefill']['ms']:.2f} ms")
+    # Every timing before the first profile (torch.profiler): batches timed after one came out
+    # 14-18% slower than the same graphs timed in a process that had not profiled
+    # (BENCHMARKS.md, 2026-12-07, 12:10-12:50 UTC).
+    timed = []
     for batch in batches:
         step = decode_step(ex, batch, args.context)
         graph, inputs, _ = decode_graph(ex, batch)
@@ -210,7 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         def step_to_host(step: StepInputs = step) -> list[int]:  # + loading, token ids back
             return ex.execute(step).argmax(-1).tolist()
 
-        step_ms = median_ms(step_to_host)
+        chunk_ms = mixed_step_ms(ex, batch, args) if args.chunk else None
+        timed.append((batch, step, graph_ms, median_ms(step_to_host), chunk_ms))
+    if args.ab:
+        report["ab"] = ab_graph_times(ex, batches, args.context)
+    for batch, step, graph_ms, step_ms, chunk_ms in timed:
         floor_ms = (weight_bytes + batch * (args.context + 1) * kv_per_token) / bw * 1e3
         rows, kernel_us = kernel_table(ex, step)
         launches = sum(c for _, c, _ in rows)
@@ -235,20 +243,23 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         if args.chunk:
-            report["steps"][-1]["chunk"] = mixed_step(ex, batch, args)
-    if args.ab:
-        report["ab"] = ab_graph_times(ex, batches, args.context)
+            report["steps"][-1]["chunk"] = mixed_step(ex, batch, args, chunk_ms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
 
 
-def mixed_step(ex: CudaExecutor, batch: int, args) -> dict:
-    """The decode step of ``batch`` with one prompt chunk (``--chunk``) added: its time as the
-    engine runs it (`execute`, host work and a mixed-step graph where one holds it; no token
-    ids copied back) and its kernels (eager)."""
+def mixed_step_ms(ex: CudaExecutor, batch: int, args) -> float:
+    """The time of the decode step of ``batch`` with one prompt chunk (``--chunk``) added, as
+    the engine runs it (`execute`, host work and a mixed-step graph where one holds it; no token
+    ids copied back)."""
     step = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
-    ms = median_ms(lambda: ex.execute(step), reps=20)
+    return median_ms(lambda: ex.execute(step), reps=20)
+
+
+def mixed_step(ex: CudaExecutor, batch: int, args, ms: float) -> dict:
+    """That mixed step's report: its time (`mixed_step_ms`) and its kernels (eager)."""
+    step = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
     rows, kernel_us = kernel_table(ex, step)
     print(
         f"\nbatch {batch} + a chunk of {args.chunk} after {args.chunk_context} cached: execute "

@@ -461,6 +461,30 @@ def _int4_fragment(
     tile_c = tl.where(tile_ok, tile, 0)
     step0 = kc * (CHUNK * SPG)  # the warp's first 16-column step
     nvalid = tl.where(tile_ok, tl.minimum(tl.maximum(G - kc * CHUNK, 0), CHUNK), 0)
+    # The epilogue's layout: lane (g, c)'s accumulator m holds row g + 8 (m % 4 >= 2) and token
+    # 2c + (m & 1) (+ 8 for the second mma's, m >= 4) of each of the program's tiles.
+    lane_t = tl.arange(0, 32)
+    tile_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None]
+    row_t = tile_t * 16 + (lane_t // 4)[None, :]
+    tok_t = 2 * (lane_t % 4)[None, :]
+    if ROTARY:
+        # The rotary's positions and cache slots (step inputs) and cos/sin rows (constants) are
+        # read here, before the asm's PDL wait (`trtc.plugins.kernels.pdl`): after the sums
+        # they were two dependent round trips on the chain that follows the wait. Accumulators
+        # 0 and 1 (and 4 and 5) hold the first halves of their tokens' rotations.
+        c0, s0, slot0 = _rotary_inputs(
+            row_t, tok_t, T, N, cos_ptr, sin_ptr, pos_ptr, slot_ptr, HALF
+        )
+        c1, s1, slot1 = _rotary_inputs(
+            row_t, tok_t + 1, T, N, cos_ptr, sin_ptr, pos_ptr, slot_ptr, HALF
+        )
+        if TWO:
+            c4, s4, slot4 = _rotary_inputs(
+                row_t, tok_t + 8, T, N, cos_ptr, sin_ptr, pos_ptr, slot_ptr, HALF
+            )
+            c5, s5, slot5 = _rotary_inputs(
+                row_t, tok_t + 9, T, N, cos_ptr, sin_ptr, pos_ptr, slot_ptr, HALF
+            )
     if ASM:
         # words [tiles, K/64, 32, 4] int32: this lane's 16 bytes of steps step0 .. step0 + 3
         wbase = words_ptr + ((tile_c.to(tl.int64) * (K // 64) + step0 // 4) * 32 + lane) * 4
@@ -499,17 +523,20 @@ def _int4_fragment(
         acc = _portable_sums(
             words_ptr, records_ptr, x_ptr, tile_c, kc, g, c, nvalid, T, K, G, CHUNK, SPG, BF16, TWO
         )
-    # The WARPS_K warps of a tile: their sums added; lane (g, c)'s accumulator m holds row
-    # g + 8 (m % 4 >= 2) and token 2c + (m & 1) (+ 8 for the second mma's, m >= 4).
-    lane_t = tl.arange(0, 32)
-    tile_t = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None]
-    row_t = tile_t * 16 + (lane_t // 4)[None, :]
-    tok_t = 2 * (lane_t % 4)[None, :]
+    # The WARPS_K warps of a tile: their sums added (the layout above).
     for m in tl.static_range(PER):
         row = row_t + 8 * ((m % 4) // 2)
         tok = tok_t + m % 2 + 8 * (m // 4)
         if ROTARY:
             if m % 4 < 2:
+                if m == 0:
+                    c, s, slot = c0, s0, slot0
+                elif m == 1:
+                    c, s, slot = c1, s1, slot1
+                elif m == 4:
+                    c, s, slot = c4, s4, slot4
+                else:
+                    c, s, slot = c5, s5, slot5
                 _rotary_epilogue(
                     acc[m],
                     acc[m + 2],
@@ -519,10 +546,9 @@ def _int4_fragment(
                     N,
                     bias_ptr,
                     y_ptr,
-                    cos_ptr,
-                    sin_ptr,
-                    pos_ptr,
-                    slot_ptr,
+                    c,
+                    s,
+                    slot,
                     cache_ptr,
                     cache_kv_stride,
                     k_scale,
@@ -555,6 +581,28 @@ def _int4_fragment(
 
 
 @triton.jit
+def _rotary_dim(row, HALF: tl.constexpr):
+    """The head dimension of interleaved row ``row`` (`interleave_rotary`: 16-row tile ``j`` of
+    a head holds dimensions ``8j .. 8j + 7``, then ``HALF + 8j ..``; the first of the pair)."""
+    return 8 * ((row % (2 * HALF)) // 16) + row % 8
+
+
+@triton.jit
+def _rotary_inputs(row, tok, T, N, cos_ptr, sin_ptr, pos_ptr, slot_ptr, HALF: tl.constexpr):
+    """``(cos, sin, slot)`` of the rotary epilogue's elements (row ``row``, token ``tok``): the
+    cos/sin of the token's position at the row's dimension, and the token's cache slot (-1
+    where the element is past the call's rows or tokens)."""
+    ok = (row < N) & (tok < T)
+    tok64 = tok.to(tl.int64)
+    pos = tl.load(pos_ptr + tok64, mask=ok, other=0)
+    d = _rotary_dim(row, HALF)
+    c = tl.load(cos_ptr + pos * HALF + d, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + pos * HALF + d, mask=ok, other=0.0)
+    slot = tl.load(slot_ptr + tok64, mask=ok, other=-1)
+    return c, s, slot
+
+
+@triton.jit
 def _rotary_epilogue(
     acc1,
     acc2,
@@ -564,10 +612,9 @@ def _rotary_epilogue(
     N,
     bias_ptr,
     q_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    slot_ptr,
+    c,
+    s,
+    slot,
     cache_ptr,
     cache_kv_stride,
     k_scale,
@@ -586,25 +633,22 @@ def _rotary_epilogue(
     rounded to q's dtype as the Int4Gemm's output is; q and k rotated by
     `pointwise.rotate_halves` (the unfused kernel's function, its fmas spelled out, so the
     same bits); q stored, k and v written to the token's cache slot (none where the slot is
-    negative: padding)."""
+    negative: padding). ``c``, ``s``, ``slot``: the elements' `_rotary_inputs`, read before the
+    wait."""
     D: tl.constexpr = 2 * HALF
     ty = q_ptr.dtype.element_ty
     x1 = _tile_sums(acc1, row, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
     x2 = _tile_sums(acc2, row + 8, N, bias_ptr, TILES, WARPS_K, HAS_BIAS).to(ty)
     head = row // D
-    d = 8 * ((row % D) // 16) + row % 8  # tile j of a head holds dims 8j .. 8j + 7 (+ HALF)
+    d = _rotary_dim(row, HALF)
     ok = (row < N) & (tok < T)
     tok64 = tok.to(tl.int64)
-    pos = tl.load(pos_ptr + tok64, mask=ok, other=0)
-    c = tl.load(cos_ptr + pos * HALF + d, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + pos * HALF + d, mask=ok, other=0.0)
     r1, r2 = rotate_halves(x1, x2, c, s, ty)
     is_q = head < HEADS
     q_at = q_ptr + tok64 * (HEADS * D) + head * D + d
     tl.store(q_at, r1, mask=ok & is_q)
     tl.store(q_at + HALF, r2, mask=ok & is_q)
     is_v = head >= HEADS + KV_HEADS
-    slot = tl.load(slot_ptr + tok64, mask=ok, other=-1)
     kv_ok = ok & (head >= HEADS) & (slot >= 0)
     kv_head = tl.where(is_v, head - HEADS - KV_HEADS, head - HEADS)
     dst = cache_ptr + slot.to(tl.int64) * (KV_HEADS * D) + kv_head * D + d

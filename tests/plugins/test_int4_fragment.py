@@ -407,6 +407,37 @@ def test_fragment_kernel_holds_a_lanes_share_in_registers():
         assert line.split()[4:] == ["0/0"], line  # spill stores / loads, bytes
 
 
+ROTARY_READS_PROBE = (
+    COMPILE_FOR_SM90
+    + r"""
+# The q/k/v projection with its rotary epilogue, one and two mma's: where its global loads sit
+# against the PDL wait (the asm's griddepcontrol.wait), by the width of what they load.
+for tokens in (1, 16):
+    plan, asm = compile_for_sm90(tokens, 2560, 2048, False, False, (32, 4, 64))
+    ptx = asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait;")
+    for width in ("b16", "b64"):
+        loads = [m.start() for m in re.finditer(rf"ld\.global(\.\w+)*\.{width} ", ptx)]
+        print(tokens, width, len(loads), sum(at > wait for at in loads))
+"""
+)
+
+
+def test_rotary_reads_precede_the_wait():
+    """The rotary epilogue's positions and slots (64-bit) and cos/sin (16-bit) are loaded
+    before the asm's PDL wait, off the chain that follows it (docs/gpu-kernels.md, "The rotary's
+    reads before the wait"): none of those loads comes after the wait in the PTX. (The weights
+    are 32-bit vector loads before it, x after it.)"""
+    lines = run_probe(ROTARY_READS_PROBE)
+    assert len(lines) == 4, lines
+    for line in lines:
+        tokens, width, loads, after = line.split()
+        # a position and a slot (b64), a cos and a sin (b16) for each token a lane's
+        # accumulators hold: two at one mma, four at two
+        assert int(loads) == 2 * (2 if tokens == "1" else 4), line
+        assert after == "0", line
+
+
 def emulate(tokens, n, k, group, warps_k, evict_first=False, seed=0, dtype=torch.float16):
     """The kernel's asm for every warp of every program, in `ptx_emulator` (numpy), with the
     operands `_int4_fragment` gives it, the warps' sums added as `_store_acc` adds them;
