@@ -412,6 +412,15 @@ def _range(text: str, name: str) -> tuple[int, int]:
         ) from None
 
 
+def milliseconds(seconds: float | None) -> str:
+    """A latency for the bench table, in ms: three decimals under 10 ms (a decode step's TPOT
+    is a fraction of a millisecond), one above; "-" where there is none."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
+
+
 @app.command()
 def bench(
     artifact: Path | None = typer.Argument(None, help="artifact to load in-process (or use --url)"),
@@ -551,9 +560,6 @@ def bench(
     for r in results:
         table.add_column(r["mode"], justify="right")
 
-    def ms(v):
-        return "-" if v is None else f"{v * 1000:.1f}"
-
     table.add_row("requests/s", *[f"{r['requests_per_s']:.2f}" for r in results])
     table.add_row("output tokens/s", *[f"{r['output_tokens_per_s']:.1f}" for r in results])
     for key, label in (
@@ -563,7 +569,7 @@ def bench(
         ("e2e_s", "E2E ms"),
     ):
         for p in ("p50", "p90", "p99"):
-            table.add_row(f"{label} {p}", *[ms(r[key][p]) for r in results])
+            table.add_row(f"{label} {p}", *[milliseconds(r[key][p]) for r in results])
     table.add_row("duration s", *[f"{r['duration_s']:.1f}" for r in results])
     table.add_row(
         "peak KV MB",
