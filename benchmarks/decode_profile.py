@@ -214,11 +214,14 @@ def main(argv: list[str] | None = None) -> None:
         def step_to_host(step: StepInputs = step) -> list[int]:  # + loading, token ids back
             return ex.execute(step).argmax(-1).tolist()
 
-        chunk_ms = mixed_step_ms(ex, batch, args) if args.chunk else None
-        timed.append((batch, step, graph_ms, median_ms(step_to_host), chunk_ms))
+        chunk, chunk_ms = None, None
+        if args.chunk:  # as the engine runs it: host work, a mixed-step graph where one holds it
+            chunk = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
+            chunk_ms = median_ms(lambda chunk=chunk: ex.execute(chunk), reps=20)
+        timed.append((batch, step, graph_ms, median_ms(step_to_host), chunk, chunk_ms))
     if args.ab:
         report["ab"] = ab_graph_times(ex, batches, args.context)
-    for batch, step, graph_ms, step_ms, chunk_ms in timed:
+    for batch, step, graph_ms, step_ms, chunk, chunk_ms in timed:
         floor_ms = (weight_bytes + batch * (args.context + 1) * kv_per_token) / bw * 1e3
         rows, kernel_us = kernel_table(ex, step)
         launches = sum(c for _, c, _ in rows)
@@ -243,23 +246,16 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         if args.chunk:
-            report["steps"][-1]["chunk"] = mixed_step(ex, batch, args, chunk_ms)
+            report["steps"][-1]["chunk"] = mixed_step(ex, batch, args, chunk, chunk_ms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
 
 
-def mixed_step_ms(ex: CudaExecutor, batch: int, args) -> float:
-    """The time of the decode step of ``batch`` with one prompt chunk (``--chunk``) added, as
-    the engine runs it (`execute`, host work and a mixed-step graph where one holds it; no token
-    ids copied back)."""
-    step = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
-    return median_ms(lambda: ex.execute(step), reps=20)
-
-
-def mixed_step(ex: CudaExecutor, batch: int, args, ms: float) -> dict:
-    """That mixed step's report: its time (`mixed_step_ms`) and its kernels (eager)."""
-    step = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
+def mixed_step(ex: CudaExecutor, batch: int, args, step: StepInputs, ms: float) -> dict:
+    """The report of ``step``, the decode step of ``batch`` with one prompt chunk (``--chunk``)
+    added: its time ``ms`` as the engine runs it (`execute`, no token ids copied back; timed
+    by `main` before any profile) and its kernels (eager)."""
     rows, kernel_us = kernel_table(ex, step)
     print(
         f"\nbatch {batch} + a chunk of {args.chunk} after {args.chunk_context} cached: execute "
