@@ -4,13 +4,20 @@ times (torch.profiler on an eager run of the step; a graph replays the same kern
 
     python3 benchmarks/decode_profile.py ARTIFACT [--batch 1,64] [--context 256] [--unfused]
         [--no-int4-fragments] [--prefill 512] [--chunk 384 [--chunk-context 0]] [--ab]
-        [--json FILE]
+        [--timeline] [--json FILE]
 
 It also prints the weight bytes the executor holds on the device (after its load-time
 rewrites) and, with ``--prefill N``, the time of one eager prefill step of ``N`` tokens (one
 sequence, nothing cached); with ``--chunk N``, a mixed step of each batch's decode rows and one
 prompt chunk of ``N`` tokens (``--chunk-context`` cached before it), as the engine runs it
 (``execute``: from the mixed-step graphs where one holds it) and its kernels.
+
+``--timeline`` profiles replays of each batch's decode graph itself and charges every kernel its
+marginal time: its end minus the latest end of the kernels before it (none where it ended first),
+so that the charges sum to the replay however much the kernels overlap (under PDL each starts
+while the one before it runs); beside it, how long before that latest end the kernel started
+(its lead) and how long it ran. The eager table above shows what each kernel costs alone, this
+one what it adds to the step (docs/gpu-kernels.md, "What the step's tails wait on").
 
 ``--ab`` re-captures the graphs with programmatic dependent launch and the Triton GEMV each
 turned off and on (`trtc.plugins.kernels.pdl`, `trtc.plugins.kernels.gemv`) and times every
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
@@ -37,6 +46,7 @@ from trtc.runtime.executors.cuda_executor import CudaExecutor
 from timing import copy_bandwidth, median_ms
 
 COPY_GIB = 2.0  # the copy that measures the bandwidth: the model holds the rest of the memory
+TIMELINE_REPLAYS = 5  # `--timeline`: the replays profiled; the one of median span is reported
 
 
 def decode_step(
@@ -165,6 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="cached tokens before the --chunk prompt chunk (default 0)",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also profile replays of each decode graph and charge each kernel what it adds to "
+        "the step (its end minus the latest end before it)",
+    )
     p.add_argument("--json", default=None, help="write the measurements here (JSON)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -245,11 +261,97 @@ def main(argv: list[str] | None = None) -> None:
                 "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]],
             }
         )
+        if args.timeline:
+            report["steps"][-1]["timeline"] = graph_timeline(ex, batch, step)
         if args.chunk:
             report["steps"][-1]["chunk"] = mixed_step(ex, batch, args, chunk, chunk_ms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def replay_timeline(kernels: Sequence[tuple[str, float, float]], replays: int) -> dict:
+    """What each kernel adds to a graph replay. ``kernels``: ``(name, start, duration)`` (us) of
+    ``replays`` replays of one graph, each waited for before the next (so the same kernels each
+    time, and no replay overlaps another). The replay of median span is charged: each kernel, in
+    order of start, its marginal time (its end minus the latest end before it, at least 0: the
+    charges sum to the span) and its lead (that latest end minus its start: how long it ran
+    beside the kernels before it; negative where it started after them). Grouped by kernel and
+    the kernel before it: launches, the median lead, duration and marginal time, and the
+    marginal time of all."""
+    if not kernels or len(kernels) % replays:
+        raise ValueError(f"{len(kernels)} kernels is not {replays} replays of the same graph")
+    ordered = sorted(kernels, key=lambda k: k[1])
+    per = len(ordered) // replays
+    charged = []
+    for r in range(replays):
+        rows, latest, before = [], ordered[r * per][1], None
+        for name, start, duration in ordered[r * per : (r + 1) * per]:
+            end = start + duration
+            rows.append((name, before, latest - start, duration, max(0.0, end - latest)))
+            latest, before = max(latest, end), name
+        charged.append((latest - ordered[r * per][1], rows))
+    span, rows = sorted(charged, key=lambda c: c[0])[replays // 2]
+    groups: dict[tuple[str, str | None], list] = defaultdict(list)
+    for name, before, lead, duration, marginal in rows:
+        groups[(name, before)].append((lead, duration, marginal))
+    table = [
+        {
+            "kernel": name,
+            "after": before,
+            "launches": len(g),
+            "lead_us": statistics.median(x[0] for x in g),
+            "duration_us": statistics.median(x[1] for x in g),
+            "marginal_us": statistics.median(x[2] for x in g),
+            "marginal_all_us": sum(x[2] for x in g),
+        }
+        for (name, before), g in groups.items()
+    ]
+    table.sort(key=lambda t: -t["marginal_all_us"])
+    return {"kernels": per, "span_us": span, "table": table}
+
+
+def graph_timeline(ex: CudaExecutor, batch: int, step: StepInputs) -> dict:
+    """`replay_timeline` of the decode graph of ``batch`` replaying ``step`` (torch.profiler's
+    kernel records of `TIMELINE_REPLAYS` replays), printed and returned."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, inputs, _ = decode_graph(ex, batch)
+    inputs.load(step)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(TIMELINE_REPLAYS):
+            graph.replay()
+            torch.cuda.synchronize()
+    # The trace's kernel records carry start and duration; the profiler's own events do not.
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    kernels = [(e["name"], e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]
+    timeline = replay_timeline(kernels, TIMELINE_REPLAYS)
+    print(
+        f"  replay timeline ({timeline['kernels']} kernels, the median of {TIMELINE_REPLAYS} "
+        f"replays: {timeline['span_us']:.1f} us); marginal us in all, launches, medians of a "
+        f"launch: lead, duration, marginal"
+    )
+    for t in timeline["table"][:14]:
+        after = t["after"][:30] if t["after"] else "(first)"
+        print(
+            f"  {t['marginal_all_us']:8.1f} us  {t['launches']:4d} x  lead {t['lead_us']:5.1f}  "
+            f"ran {t['duration_us']:6.1f}  adds {t['marginal_us']:5.1f}  "
+            f"{t['kernel'][:40]} (after {after})"
+        )
+    return timeline
 
 
 def mixed_step(ex: CudaExecutor, batch: int, args, step: StepInputs, ms: float) -> dict:
