@@ -108,6 +108,12 @@ def device_constant_bytes(executor: CudaExecutor) -> int:
     )
 
 
+def device_events(prof) -> list:
+    """The GPU's records (kernels) of a torch.profiler run, each with its start and end
+    (``time_range``, us)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_table(
     executor: CudaExecutor, step: StepInputs
 ) -> tuple[list[tuple[str, int, float]], float]:
@@ -121,12 +127,11 @@ def kernel_table(
         executor.forward(inputs)
         torch.cuda.synchronize()
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_name[e.name][0] += 1
-            by_name[e.name][1] += (
-                e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            )
+    for e in device_events(prof):
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += (
+            e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        )
     rows = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])
     return rows, sum(t for _, _, t in rows)
 
@@ -314,9 +319,6 @@ def replay_timeline(kernels: Sequence[tuple[str, float, float]], replays: int) -
 def graph_timeline(ex: CudaExecutor, batch: int, step: StepInputs) -> dict:
     """`replay_timeline` of the decode graph of ``batch`` replaying ``step`` (torch.profiler's
     kernel records of `TIMELINE_REPLAYS` replays), printed and returned."""
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     graph, inputs, _ = decode_graph(ex, batch)
@@ -328,16 +330,7 @@ def graph_timeline(ex: CudaExecutor, batch: int, step: StepInputs) -> dict:
         for _ in range(TIMELINE_REPLAYS):
             graph.replay()
             torch.cuda.synchronize()
-    # The trace's kernel records carry start and duration; the profiler's own events do not.
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
-    kernels = [(e["name"], e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]
+    kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in device_events(prof)]
     timeline = replay_timeline(kernels, TIMELINE_REPLAYS)
     print(
         f"  replay timeline ({timeline['kernels']} kernels, the median of {TIMELINE_REPLAYS} "

@@ -3,17 +3,11 @@ a graph replay when kernels overlap, from kernel records alone (no GPU)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-# The benchmarks are scripts, not a package: their folder on the path, as when one is run.
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.append(str(BENCHMARKS))
-decode_profile = importlib.import_module("decode_profile")
+from harness.benchmark_scripts import benchmark_script
+
+decode_profile = benchmark_script("decode_profile")
 
 
 def replay(at: float, last: float) -> list[tuple[str, float, float]]:

@@ -3,19 +3,13 @@ chunk), in Triton's CPU interpreter without a GPU."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from harness.benchmark_scripts import benchmark_script
+
 pytest.importorskip("triton", reason="triton is not installed")
-# The benchmarks are scripts, not a package: their folder on the path, as when one is run.
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.append(str(BENCHMARKS))
-read_ceiling = importlib.import_module("read_ceiling")
+read_ceiling = benchmark_script("read_ceiling")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
