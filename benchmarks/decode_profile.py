@@ -74,10 +74,12 @@ def decode_step(
     return make_step(work, bs)
 
 
-def decode_graph(executor: CudaExecutor, batch: int):
-    """``(graph, inputs, logits)``: the captured decode graph a step of ``batch`` sequences
-    replays (the smallest size that holds it)."""
-    return executor.graphs[next(b for b in sorted(executor.graphs) if b >= batch)]
+def decode_graph(executor: CudaExecutor, batch: int, step: StepInputs) -> torch.cuda.CUDAGraph:
+    """The captured decode graph that ``step``, of ``batch`` sequences, replays (the smallest
+    size that holds it), with ``step`` loaded into its inputs."""
+    graph, inputs, _ = executor.graphs[next(b for b in sorted(executor.graphs) if b >= batch)]
+    inputs.load(step)
+    return graph
 
 
 def prefill_ms(executor: CudaExecutor, tokens: int) -> float:
@@ -228,9 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     timed = []
     for batch in batches:
         step = decode_step(ex, batch, args.context)
-        graph, inputs, _ = decode_graph(ex, batch)
-        inputs.load(step)
-        graph_ms = median_ms(graph.replay)
+        graph_ms = median_ms(decode_graph(ex, batch, step).replay)
 
         def step_to_host(step: StepInputs = step) -> list[int]:  # + loading, token ids back
             return ex.execute(step).argmax(-1).tolist()
@@ -321,8 +321,7 @@ def graph_timeline(ex: CudaExecutor, batch: int, step: StepInputs) -> dict:
     kernel records of `TIMELINE_REPLAYS` replays), printed and returned."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, inputs, _ = decode_graph(ex, batch)
-    inputs.load(step)
+    graph = decode_graph(ex, batch, step)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -381,8 +380,7 @@ def ab_graph_times(ex: CudaExecutor, batches: list[int], context: int) -> list[d
         ex.capture_graphs(mixed=False)
         times = []
         for batch in batches:
-            graph, inputs, _ = decode_graph(ex, batch)
-            inputs.load(decode_step(ex, batch, context))
+            graph = decode_graph(ex, batch, decode_step(ex, batch, context))
             times.append(median_ms(graph.replay) * 1e3)
         rows.append({"pdl": use_pdl, "gemv": use_gemv, "graph_us": dict(zip(batches, times))})
         print(

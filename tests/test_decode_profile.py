@@ -12,7 +12,7 @@ decode_profile = benchmark_script("decode_profile")
 
 def replay(at: float, last: float) -> list[tuple[str, float, float]]:
     """One replay from ``at``: a GEMM, an attention launched under it, a short kernel wholly
-    inside the attention, then a norm that ``last`` us long."""
+    inside the attention, then a norm ``last`` us long."""
     return [
         ("gemm", at, 10.0),  # ends at 10
         ("attention", at + 6, 8.0),  # started 4 before the gemm ended; adds 4
