@@ -37,8 +37,8 @@ import time
 import torch
 
 from trtc.runtime import bench
+from trtc.runtime.core.proposal import Proposal
 from trtc.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from trtc.runtime.speculative.proposer import Proposal
 
 PASSAGE = (
     "The lighthouse stood at the end of the rocky point, its white tower streaked with rust. "

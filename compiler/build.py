@@ -19,9 +19,9 @@ import trtc
 from trtc import contract
 from trtc.artifact import BUILD_LOG, MODEL_FILE, WEIGHTS_FILE, Manifest, rank_file, write_manifest
 from trtc.compiler import writer
-from trtc.compiler.architectures import geometry_from_config
 from trtc.compiler.config import BuildConfig
 from trtc.compiler.export import export_onnx
+from trtc.compiler.families import geometry_from_config
 from trtc.compiler.memory import gb
 from trtc.compiler.model import step_skeleton
 from trtc.compiler.parallel import (
@@ -40,7 +40,7 @@ from trtc.compiler.source import (
     load_source,
     max_seq_len,
 )
-from trtc.compiler.weights import plan_weights
+from trtc.compiler.weight_recipes import plan_weights
 from trtc.errors import BuildError, ConfigError
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import DOMAIN

@@ -10,10 +10,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trtc.architectures import architecture_profiles
 from trtc.compiler.targets import quantization_format
 from trtc.compiler.tiny import TINY_MODELS
 from trtc.errors import ConfigError
+from trtc.gpu_profiles import architecture_profiles
 
 PACKAGE_SCHEME = "package://"
 

@@ -19,7 +19,7 @@ from torch.export import Dim
 from trtc import contract
 from trtc.compiler.model import StepModel
 from trtc.compiler.passes.swiglu import OPSET
-from trtc.compiler.weights import PENDING
+from trtc.compiler.weight_recipes import PENDING
 from trtc.contract import SequenceWork, StepInputs, make_step
 
 ONNX_DTYPES = {

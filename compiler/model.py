@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtc.compiler.architectures import ModelGeometry, hf_skeleton
+from trtc.compiler.families import ModelGeometry, hf_skeleton
 from trtc.plugins.all_reduce import all_reduce
 from trtc.plugins.fp8_gemm import Fp8Linear
 from trtc.plugins.int4_gemm import Int4Linear

@@ -148,7 +148,7 @@ def saved_tensors(config) -> tuple[dict[str, tuple[int, ...]], int]:
     the state dict, and of tied weights only the name transformers keeps remains."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    from trtc.compiler.architectures import hf_skeleton
+    from trtc.compiler.families import hf_skeleton
 
     model = hf_skeleton(config)
     state = model.state_dict()

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from trtc.compiler.architectures import ModelGeometry, check_supported, geometry_from_config
 from trtc.compiler.checkpoint import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
@@ -29,6 +28,7 @@ from trtc.compiler.checkpoint import (
     WeightSource,
 )
 from trtc.compiler.config import BuildConfig, resolve_path
+from trtc.compiler.families import ModelGeometry, check_supported, geometry_from_config
 from trtc.compiler.tiny import byte_tokenizer, tiny_config, tiny_model
 from trtc.errors import BuildError, ConfigError
 

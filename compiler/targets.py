@@ -1,9 +1,9 @@
-"""Build targets checked against the GPU architecture profiles (`trtc.architectures`)."""
+"""Build targets checked against the GPU architecture profiles (`trtc.gpu_profiles`)."""
 
 from __future__ import annotations
 
-from trtc.architectures import architecture_profiles
 from trtc.errors import ConfigError
+from trtc.gpu_profiles import architecture_profiles
 
 
 def check_known(targets: list[str]) -> None:

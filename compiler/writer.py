@@ -28,7 +28,7 @@ from trtc.artifact import (
     FileRecord,
     file_record,
 )
-from trtc.compiler.weights import LazyWeight, weight_id
+from trtc.compiler.weight_recipes import LazyWeight, weight_id
 from trtc.errors import ConfigError
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtc.artifact import Manifest
-from trtc.runtime.core.process_exit import exit_reason
 from trtc.runtime.core.sampling_params import SamplingParams
+from trtc.runtime.engine.process_exit import exit_reason
 
 MODES = ("inflight", "static")
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import onnx
 
 from trtc import artifact, envs
-from trtc.architectures import architecture_profiles
 from trtc.artifact import Limits, Manifest, TensorRecord
 from trtc.compiler.backends.tensorrt_rtx import build_plan, engine_record, network_io, parse_network
 from trtc.compiler.targets import check_known, describe_targets
@@ -36,6 +35,7 @@ from trtc.contract import (
     kv_output_name,
 )
 from trtc.errors import BuildError, ConfigError
+from trtc.gpu_profiles import architecture_profiles
 from trtc.plugins import PLUGINS
 from trtc.plugins.spec import DOMAIN
 from trtc.plugins.tensorrt.logger import make_logger

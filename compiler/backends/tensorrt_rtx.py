@@ -16,10 +16,10 @@ from pathlib import Path
 import onnx
 
 from trtc import slot_contract as slot
-from trtc.architectures import architecture_profiles
 from trtc.artifact import Limits, sha256_file
 from trtc.compiler.targets import check_known, describe_targets
 from trtc.errors import BuildError, ConfigError
+from trtc.gpu_profiles import architecture_profiles
 from trtc.plugins.tensorrt.logger import make_logger
 
 BACKEND = "tensorrt-rtx"

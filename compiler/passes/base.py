@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from trtc.compiler.weights import LazyWeight
+from trtc.compiler.weight_recipes import LazyWeight
 
 LAYER_RE = re.compile(r"layers\.(\d+)\.")
 

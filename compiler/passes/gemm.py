@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from trtc.compiler import weights
+from trtc.compiler import weight_recipes
 from trtc.compiler.passes.base import PassResult, weight_layer, weight_values
 from trtc.plugins.spec import DOMAIN
 
@@ -69,7 +69,9 @@ def _merged_inputs(
         if len({w.dtype for w in tensors}) != 1 or len({w.shape[1] for w in tensors}) != 1:
             return None
         merged = [
-            gs.Constant(f"{name}.weight", weights.concat([weight_values(w) for w in tensors]))
+            gs.Constant(
+                f"{name}.weight", weight_recipes.concat([weight_values(w) for w in tensors])
+            )
         ]
     else:
         if kind == "Int4Gemm" and (
@@ -80,7 +82,7 @@ def _merged_inputs(
         bias_at = 4
         merged = [
             gs.Constant(
-                f"{name}.{part}", weights.concat([weight_values(n.inputs[i]) for n in nodes])
+                f"{name}.{part}", weight_recipes.concat([weight_values(n.inputs[i]) for n in nodes])
             )
             for i, part in CHANNEL_INPUTS[kind]
         ]
@@ -88,7 +90,7 @@ def _merged_inputs(
         merged.append(
             gs.Constant(
                 f"{name}.input_scale",
-                weights.maximum([weight_values(n.inputs[3]) for n in nodes]),
+                weight_recipes.maximum([weight_values(n.inputs[3]) for n in nodes]),
             )
         )
     if any(len(n.inputs) > bias_at for n in nodes):
@@ -96,7 +98,7 @@ def _merged_inputs(
         merged.append(
             gs.Constant(
                 f"{name}.bias",
-                weights.concat([_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)]),
+                weight_recipes.concat([_bias(n, bias_at, s, dtype) for n, s in zip(nodes, sizes)]),
             )
         )
     return merged

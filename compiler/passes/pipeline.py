@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import onnx
 import onnx_graphsurgeon as gs
 
-from trtc.compiler.architectures import ModelGeometry
+from trtc.compiler.families import ModelGeometry
 from trtc.compiler.passes.attention import check_attention
 from trtc.compiler.passes.base import PassResult
 from trtc.compiler.passes.cleanup import cleanup
@@ -18,7 +18,7 @@ from trtc.compiler.passes.precision import check_precision
 from trtc.compiler.passes.rmsnorm import fuse_rmsnorm
 from trtc.compiler.passes.rotary import fuse_rotary
 from trtc.compiler.passes.swiglu import OPSET, fuse_swiglu, swiglu_function
-from trtc.compiler.weights import LazyWeight, bind, recipes
+from trtc.compiler.weight_recipes import LazyWeight, bind, recipes
 from trtc.plugins.spec import DOMAIN
 
 # Fusions every layer of a supported model must show; fewer is a build error. A model with

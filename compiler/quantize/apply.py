@@ -45,8 +45,7 @@ from trtc.compiler.quantize.layers import (
     linear,
     run_layer,
 )
-from trtc.compiler.quantize.stack import DecoderStack, calibration_device
-from trtc.compiler.quantize.weights import (
+from trtc.compiler.quantize.quantized_linears import (
     Fp8Weights,
     Int4Weights,
     LayerStore,
@@ -54,6 +53,7 @@ from trtc.compiler.quantize.weights import (
     Weights,
     rtn_loader,
 )
+from trtc.compiler.quantize.stack import DecoderStack, calibration_device
 from trtc.plugins.int4_gemm import pack_int4
 
 METHODS = ("rtn", "awq", "gptq", "fp8")

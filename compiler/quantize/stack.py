@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trtc.compiler.architectures import hf_skeleton
 from trtc.compiler.checkpoint import WeightSource
+from trtc.compiler.families import hf_skeleton
 from trtc.compiler.quantize.layers import (
     LAYERS_PREFIX,
     LayerInputs,

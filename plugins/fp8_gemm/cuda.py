@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from trtc.architectures import has_feature
+from trtc.gpu_profiles import has_feature
 from trtc.plugins.fp8_gemm.reference import check_shapes, to_fp8
 from trtc.plugins.fp8_gemm.reference import fp8_gemm as reference
 

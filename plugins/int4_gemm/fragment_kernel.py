@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.architectures import has_feature
+from trtc.gpu_profiles import has_feature
 from trtc.plugins.int4_gemm.reference import unpack_int4
 from trtc.plugins.int4_gemm.triton_kernels import _interpreting
 from trtc.plugins.kernels import pdl

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.architectures import has_feature, sm_count
+from trtc.gpu_profiles import has_feature, sm_count
 from trtc.plugins.kernels import pdl
 from trtc.plugins.kernels.arrival_counters import arrival_counters
 

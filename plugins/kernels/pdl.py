@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from trtc import envs
-from trtc.architectures import has_feature
+from trtc.gpu_profiles import has_feature
 
 _enabled: bool | None = None  # None: TRTC_PDL, read at the first launch
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtc.architectures import DEFAULT_SM_COUNT, sm_count
+from trtc.gpu_profiles import DEFAULT_SM_COUNT, sm_count
 from trtc.plugins.kernels import pdl
 from trtc.plugins.kernels.arrival_counters import arrival_counters
 from trtc.plugins.paged_attention import SPEC

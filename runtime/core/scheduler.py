@@ -36,7 +36,7 @@ from trtc.runtime.core.block_manager import BlockManager
 from trtc.runtime.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from trtc.runtime.speculative.proposer import Proposal
+    from trtc.runtime.core.proposal import Proposal
 
 
 @dataclass

@@ -11,7 +11,7 @@ from trtc.contract import SequenceWork
 from trtc.runtime.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from trtc.runtime.speculative.proposer import Proposal
+    from trtc.runtime.core.proposal import Proposal
 
 __all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
 

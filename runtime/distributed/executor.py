@@ -28,11 +28,11 @@ import torch
 from trtc.artifact import Artifact
 from trtc.contract import StepInputs
 from trtc.errors import ArtifactError
-from trtc.runtime.core.process_exit import exit_reason
 from trtc.runtime.distributed.broadcast import send_step, send_stop
 from trtc.runtime.distributed.group import check_devices, destroy_groups, init_groups
 from trtc.runtime.distributed.rank_env import RankEnv, free_port
 from trtc.runtime.distributed.worker import WorkerSpec, rank_executor, spawned_worker
+from trtc.runtime.engine.process_exit import exit_reason
 
 log = logging.getLogger("trtc.distributed")
 

@@ -39,13 +39,13 @@ from pathlib import Path
 
 from trtc.artifact import Artifact
 from trtc.errors import TrtcError
-from trtc.runtime.core.process_exit import exit_reason
-from trtc.runtime.core.startup import StartupPhases, seconds_since_process_start
 from trtc.runtime.engine.config import EngineConfig
 from trtc.runtime.engine.engine_loop import AddRequest, Command, StepReport, Stop, run_engine_loop
 from trtc.runtime.engine.output_processor import IncrementalDetokenizer, stream_backend
 from trtc.runtime.engine.outputs import EngineStats, RequestOutput
+from trtc.runtime.engine.process_exit import exit_reason
 from trtc.runtime.engine.request_limits import RequestLimits
+from trtc.runtime.engine.startup import StartupPhases, seconds_since_process_start
 from trtc.runtime.engine.tokenizer import (
     chat_prompt_ids,
     load_detokenizer,

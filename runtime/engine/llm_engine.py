@@ -18,11 +18,6 @@ from trtc.runtime.core.block_manager import BlockManager
 from trtc.runtime.core.sampler import Sampler, make_generator, rows_tensor
 from trtc.runtime.core.scheduler import ScheduledBatch, Scheduler
 from trtc.runtime.core.sequence import SamplingParams, Sequence, SequenceStatus
-from trtc.runtime.core.startup import (
-    StartupPhases,
-    seconds_since_process_start,
-    warn_if_uncompiled,
-)
 from trtc.runtime.engine.config import EngineConfig
 from trtc.runtime.engine.output_processor import OutputProcessor
 from trtc.runtime.engine.outputs import (
@@ -33,6 +28,11 @@ from trtc.runtime.engine.outputs import (
     StepSummary,
 )
 from trtc.runtime.engine.request_limits import RequestLimits
+from trtc.runtime.engine.startup import (
+    StartupPhases,
+    seconds_since_process_start,
+    warn_if_uncompiled,
+)
 from trtc.runtime.engine.token_readback import LaunchedStep, TokenReadback
 from trtc.runtime.engine.tokenizer import (
     chat_prompt_ids,

@@ -35,7 +35,7 @@ import torch
 from trtc import envs
 from trtc.artifact import Artifact, Limits, Manifest
 from trtc.contract import SequenceWork, StepInputs, make_step
-from trtc.runtime.core.startup import StartupPhases
+from trtc.runtime.engine.startup import StartupPhases
 from trtc.runtime.executors.fusions import RUNTIME_OPS, fuse
 from trtc.runtime.executors.fusions.int4_fragment import int4_fragment_bytes
 from trtc.runtime.executors.graph import GraphNode

@@ -14,10 +14,10 @@ import torch
 from trtc.artifact import MODEL_FILE, WEIGHTS_FILE, Artifact
 from trtc.contract import StepInputs, kv_input_name, kv_output_name, kv_pool
 from trtc.errors import ArtifactError
-from trtc.runtime.core.startup import StartupPhases
+from trtc.runtime.engine.startup import StartupPhases
 from trtc.runtime.executors.graph import GraphNode, OpTable
 from trtc.runtime.executors.torch_ops import ONNX_OPS
-from trtc.runtime.executors.weights import load_weights
+from trtc.runtime.executors.weight_loader import load_weights
 
 
 def _attrs(node: onnx.NodeProto) -> dict:

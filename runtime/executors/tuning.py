@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from trtc import envs
-from trtc.architectures import arch_name
 from trtc.artifact import Artifact, TuningRecord
 from trtc.errors import ArtifactError
+from trtc.gpu_profiles import arch_name
 
 log = logging.getLogger("trtc.tuning")
 

@@ -21,9 +21,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from trtc.runtime.core.startup import seconds_since_process_start
 from trtc.runtime.engine.async_engine import AsyncEngine
 from trtc.runtime.engine.engine_process import EngineProcess, EngineProcessError
+from trtc.runtime.engine.startup import seconds_since_process_start
 from trtc.runtime.serving.metrics import EngineMetrics
 from trtc.runtime.serving.protocol import (
     ChatCompletionResponse,

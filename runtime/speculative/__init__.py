@@ -6,8 +6,9 @@ no extra model) or ``draft:DIR`` (a second trtc artifact with the same tokenizer
 
 from __future__ import annotations
 
+from trtc.runtime.core.proposal import Proposal
 from trtc.runtime.speculative.ngram import NgramProposer
-from trtc.runtime.speculative.proposer import Proposal, Proposer
+from trtc.runtime.speculative.proposer import Proposer
 
 __all__ = ["NgramProposer", "Proposal", "Proposer", "make_proposer"]
 

@@ -20,9 +20,9 @@ from trtc.artifact import Artifact
 from trtc.contract import make_step
 from trtc.errors import ArtifactError
 from trtc.runtime.core.block_manager import BlockManager
+from trtc.runtime.core.proposal import Proposal
 from trtc.runtime.core.sampler import Sampler, make_generator
 from trtc.runtime.core.sequence import Sequence, SequenceStatus
-from trtc.runtime.speculative.proposer import Proposal
 
 log = logging.getLogger("trtc.speculative")
 

@@ -7,8 +7,8 @@ output quotes its input (summaries, revisions, code edits, extraction)."""
 
 from __future__ import annotations
 
+from trtc.runtime.core.proposal import Proposal
 from trtc.runtime.core.sequence import Sequence
-from trtc.runtime.speculative.proposer import Proposal
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

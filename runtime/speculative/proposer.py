@@ -1,34 +1,18 @@
 """What a proposer is: something that guesses a sequence's next tokens cheaply, for the target
-model to verify in one step (`verify.py`).
-
-A proposal is ``k`` draft tokens and, for a proposer that samples them, the distribution each
-was drawn from (the rejection rule needs it to keep the target's distribution exactly). A
-proposer that picks its tokens deterministically (n-gram lookup, a greedy draft) gives no
-distribution: its draws are point masses. Trained heads (EAGLE, Medusa) fit the same interface:
-their proposals come from the target's hidden states, which a proposer may be handed later.
+model to verify in one step (`verify.py`). What it returns is a `Proposal` (`runtime/core/`,
+where the sequence and the scheduler hold it). Trained heads (EAGLE, Medusa) fit the same
+interface: their proposals come from the target's hidden states, which a proposer may be handed
+later.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from trtc.runtime.core.proposal import Proposal
+
 if TYPE_CHECKING:
-    import torch
-
     from trtc.runtime.core.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Draft tokens for one sequence; ``probs[i]`` (``[k, vocab]``, None for a deterministic
-    proposer) is the distribution ``tokens[i]`` was drawn from."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
 
 class Proposer(Protocol):

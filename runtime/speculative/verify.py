@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from trtc.runtime.core.proposal import Proposal
 from trtc.runtime.core.sampler import Sampler
 from trtc.runtime.core.sampling_params import SamplingParams
-from trtc.runtime.speculative.proposer import Proposal
 
 
 def acceptance_probability(p_token: torch.Tensor, q_token: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from trtc.compiler.quantize import quantize_model, quantize_source
 from trtc.compiler.quantize.calibration import calibration_data
 from trtc.compiler.quantize.kv_cache import scale_for
 from trtc.compiler.quantize.layers import LINEARS, hooks
+from trtc.compiler.quantize.quantized_linears import CACHED_LINEARS, Fp8Weights, Int4Weights
 from trtc.compiler.quantize.stack import DecoderStack
-from trtc.compiler.quantize.weights import CACHED_LINEARS, Fp8Weights, Int4Weights
 from trtc.compiler.tiny import byte_tokenizer, tiny_model
 
 SOURCE_ARGS = dict(CALIB, act_order=True, partial_groups=False)

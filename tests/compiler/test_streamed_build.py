@@ -20,7 +20,7 @@ from trtc.compiler import writer
 from trtc.compiler.checkpoint import SafetensorsCheckpoint
 from trtc.compiler.config import parse_config
 from trtc.compiler.tiny import byte_tokenizer, tiny_model
-from trtc.compiler.weights import LazyWeight
+from trtc.compiler.weight_recipes import LazyWeight
 from trtc.errors import BuildError
 
 GB = 1e9

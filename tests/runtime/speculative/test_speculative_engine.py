@@ -83,7 +83,7 @@ def test_speculation_stops_above_the_batch_limit(tiny_artifacts):
 def test_speculation_backs_off_from_drafts_that_keep_failing(tiny_artifacts):
     """A proposer whose drafts are always wrong: verifications thin out (a pause that doubles
     with each failure), and the output is still a token a step's."""
-    from trtc.runtime.speculative.proposer import Proposal
+    from trtc.runtime.core.proposal import Proposal
 
     class Wrong:
         name = "wrong"

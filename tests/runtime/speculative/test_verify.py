@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from trtc.contract import SequenceWork, make_step
+from trtc.runtime.core.proposal import Proposal
 from trtc.runtime.core.sampler import Sampler
 from trtc.runtime.core.sequence import SamplingParams
 from trtc.runtime.speculative import verify as verify_module
-from trtc.runtime.speculative.proposer import Proposal
 from trtc.runtime.speculative.verify import verify
 
 GREEDY = SamplingParams(temperature=0)

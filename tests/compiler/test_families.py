@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from trtc.artifact import ModelGeometry
-from trtc.compiler.architectures import SUPPORTED_ARCHITECTURES, geometry_from_config
+from trtc.compiler.families import SUPPORTED_ARCHITECTURES, geometry_from_config
 from trtc.errors import BuildError
 
 SMALL = dict(

@@ -8,7 +8,7 @@ import importlib
 import logging
 import sys
 
-from trtc.runtime.core.startup import modules_without_bytecode, warn_if_uncompiled
+from trtc.runtime.engine.startup import modules_without_bytecode, warn_if_uncompiled
 
 
 def test_a_module_without_cached_bytecode_is_named_until_it_is_compiled(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trtc.architectures import (
+from trtc.gpu_profiles import (
     DEFAULT_SM_COUNT,
     FEATURES,
     arch_name,
