@@ -33,6 +33,7 @@ from trtc.runtime.distributed.group import check_devices, destroy_groups, init_g
 from trtc.runtime.distributed.rank_env import RankEnv, free_port
 from trtc.runtime.distributed.worker import WorkerSpec, rank_executor, spawned_worker
 from trtc.runtime.engine.process_exit import exit_reason
+from trtc.runtime.executors.base import Executor
 
 log = logging.getLogger("trtc.distributed")
 
@@ -40,7 +41,7 @@ EXIT_WORKER_DIED = 1
 _STOP_TIMEOUT = 10.0  # seconds a worker gets to leave its loop before it is killed
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(Executor):
     """Rank 0 of a tensor-parallel group, driving the other ranks: ``execute(step)`` runs
     the step on every rank and returns rank 0's logits."""
 
@@ -79,9 +80,10 @@ class TensorParallelExecutor:
             self._kill_workers()
             raise
         atexit.register(self.close)
-        self.name = self.inner.name
+        self.startup = self.inner.startup
 
     # What the engine reads of an executor: rank 0's.
+    name = property(lambda self: self.inner.name)
     manifest = property(lambda self: self.inner.manifest)
     device = property(lambda self: self.inner.device)
     block_size = property(lambda self: self.inner.block_size)
@@ -129,7 +131,7 @@ class TensorParallelExecutor:
     @property
     def step_token_buckets(self) -> list[int]:
         """Rank 0's (every rank runs the step the same way)."""
-        return getattr(self.inner, "step_token_buckets", [])
+        return self.inner.step_token_buckets
 
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         with self._lock:
@@ -137,9 +139,7 @@ class TensorParallelExecutor:
                 raise RuntimeError("the tensor-parallel executor is closed")
             try:
                 send_step(step, input_ids, self.groups.control, self.groups.device)
-                if input_ids is None:
-                    return self.inner.execute(step)
-                return self.inner.execute(step, input_ids=input_ids)
+                return self.inner.execute(step, input_ids)
             except BaseException as e:
                 # The workers ran (or wait in) this step's collectives: every later step would
                 # pair its all-reduces with the wrong ones. Nothing can be resynchronised.

@@ -100,8 +100,7 @@ class LLMEngine:
             defer_graphs=config.defer_graphs,
             use_tuning=config.use_tuning,
         )
-        if getattr(self.executor, "startup", None) is not None:
-            self.startup.update(self.executor.startup)
+        self.startup.update(self.executor.startup)
         with self.startup.phase("tokenizer", "what loading it beside the weights left to wait"):
             self.tokenizer = pending_tokenizer.result()
         if self.proposer is not None and self.executor.name == "tensorrt":
@@ -125,16 +124,12 @@ class LLMEngine:
             config.max_num_batched_tokens or limits.max_num_tokens,
             eos_token_id=eos,
             long_prefill_threshold=config.long_prefill_threshold,
-            token_buckets=(
-                getattr(self.executor, "step_token_buckets", ())
-                if envs.TRTC_FIT_TOKEN_BUCKETS
-                else ()
-            ),
+            token_buckets=self.executor.step_token_buckets if envs.TRTC_FIT_TOKEN_BUCKETS else (),
         )
         self.sampler = Sampler()
         self.async_scheduling = self._async_scheduling(config.async_scheduling)
         # Where logits, sampled ids and the seeded requests' generators live.
-        self.device = getattr(self.executor, "device", torch.device("cpu"))
+        self.device = self.executor.device
         self.readback = TokenReadback(self.device, self.scheduler.max_num_seqs)
         self._ahead: LaunchedStep | None = None  # queued ahead, its tokens not read yet
         self.generators: dict[str, torch.Generator | None] = {}
@@ -148,7 +143,7 @@ class LLMEngine:
         log.info("engine ready: %s", self.startup.summary())
 
     def _async_scheduling(self, wanted: bool | None) -> bool:
-        able = getattr(self.executor, "takes_device_input_ids", False)
+        able = self.executor.takes_device_input_ids
         if wanted is None:
             return able and self.executor.name == "cuda" and envs.TRTC_ASYNC_SCHEDULING
         if wanted and not able:
@@ -229,8 +224,7 @@ class LLMEngine:
     def finish_start_up(self) -> bool:
         """Do one piece of the start-up work left for after ready (``defer_graphs``: a CUDA
         graph captured); True while some remains. Call it between steps, never during one."""
-        capture = getattr(self.executor, "capture_deferred", None)
-        return capture is not None and capture()
+        return self.executor.capture_deferred()
 
     def unfinished_request_ids(self) -> list[str]:
         return [seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)]
@@ -434,9 +428,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release what the executor holds outside this process (a tensor-parallel
         executor's worker processes); the engine takes no steps afterwards."""
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
 
     # --- state ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -159,7 +159,7 @@ class CudaExecutor(TorchExecutor):
             num_blocks = self.pool_blocks(
                 manifest, device, memory_fraction, self.int4_fragments, mixed_graphs
             )
-        super().__init__(artifact, num_blocks, device, rank)
+        super().__init__(artifact, num_blocks, device, rank, startup=self.startup)
         self.max_blocks_per_seq = -(-limits.max_seq_len // self.block_size)
         # Decode steps: batch -> (graph, inputs, logits), captured at start, or with
         # ``defer_graphs`` only the smallest, the rest after it (`capture_deferred`).

@@ -31,6 +31,8 @@ from trtc.artifact import Artifact, EngineRecord
 from trtc.contract import STEP_INPUTS, TORCH_DTYPES, StepInputs, kv_input_name, kv_pool
 from trtc.engines import RUNTIMES, choose_engine, engine_refusal
 from trtc.errors import ArtifactError
+from trtc.runtime.engine.startup import StartupPhases
+from trtc.runtime.executors.base import Executor
 from trtc.slot_contract import SlotWork, make_slot_step
 
 log = logging.getLogger("trtc.executor")
@@ -118,7 +120,7 @@ def _call(group: list[int], rows: dict, max_seq_len: int) -> SlotCall:
 # --- the executor ----------------------------------------------------------------------------
 
 
-class TensorRTExecutor:
+class TensorRTExecutor(Executor):
     name = "tensorrt"
 
     def __init__(
@@ -130,6 +132,7 @@ class TensorRTExecutor:
     ):
         import torch
 
+        self.startup = StartupPhases()
         self.artifact = artifact
         self.manifest = artifact.manifest  # read on every load and by benchmarks
         if engine is None:
@@ -155,7 +158,9 @@ class TensorRTExecutor:
         messages: list[str] = []
         self._logger = make_logger(trt, engine.backend, log.warning, messages)
         self._runtime = trt.Runtime(self._logger)
-        self.engine = self._runtime.deserialize_cuda_engine(artifact.file(engine.file).read_bytes())
+        with self.startup.phase("engine", f"{engine.backend} plan {engine.file}"):
+            plan = artifact.file(engine.file).read_bytes()
+            self.engine = self._runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
             raise ArtifactError(
                 f"{self.artifact.path}: {engine.backend} could not load {engine.file}: "
@@ -244,10 +249,13 @@ class TensorRTExecutor:
                 f"engine {self.record.target}: execution failed (see the warnings above)"
             )
 
-    def execute(self, step: StepInputs):
+    def execute(self, step: StepInputs, input_ids=None):
         """Logits ``[len(logits_indices), vocab]`` fp32 on the GPU; the KV cache is updated in
-        place."""
+        place. (No ``input_ids`` on the device: `takes_device_input_ids` is False.)"""
         import torch
+
+        if input_ids is not None:
+            raise ValueError("the tensorrt executor takes a step's input ids from the step only")
 
         if self.slots:
             return self._execute_slots(step)

@@ -15,6 +15,7 @@ from trtc.artifact import MODEL_FILE, WEIGHTS_FILE, Artifact
 from trtc.contract import StepInputs, kv_input_name, kv_output_name, kv_pool
 from trtc.errors import ArtifactError
 from trtc.runtime.engine.startup import StartupPhases
+from trtc.runtime.executors.base import Executor
 from trtc.runtime.executors.graph import GraphNode, OpTable
 from trtc.runtime.executors.torch_ops import ONNX_OPS
 from trtc.runtime.executors.weight_loader import load_weights
@@ -32,21 +33,31 @@ def with_device_ids(ids: torch.Tensor, device_ids: torch.Tensor) -> torch.Tensor
     return torch.cat([device_ids.to(ids.device), ids[len(device_ids) :]])
 
 
-class TorchExecutor:
+class TorchExecutor(Executor):
     name = "torch"
+    # `execute` takes ``input_ids`` already on the device (an async engine's next step reads
+    # the previous step's tokens from there).
+    takes_device_input_ids = True
 
     # The ops this executor runs: the ONNX ops of a trtc graph (an executor that rewrites the
     # graph adds the ops of its rewrites).
     ops: OpTable = ONNX_OPS
 
-    def __init__(self, artifact: Artifact, num_blocks: int, device: str = "cpu", rank: int = 0):
+    def __init__(
+        self,
+        artifact: Artifact,
+        num_blocks: int,
+        device: str = "cpu",
+        rank: int = 0,
+        startup: StartupPhases | None = None,
+    ):
         """``rank``: which tensor-parallel rank's graph to run (its AllReduce nodes sum over
-        the group `trtc.plugins.all_reduce.use_group` set); 0 for a one-graph artifact."""
+        the group `trtc.plugins.all_reduce.use_group` set); 0 for a one-graph artifact.
+        ``startup``: phases a subclass timed before this constructor (the CUDA context)."""
         self.artifact = artifact
         self.manifest = artifact.manifest  # read on every load and by benchmarks
         self.rank = rank
-        # A subclass may have timed phases before this one (the CUDA context).
-        self.startup: StartupPhases = getattr(self, "startup", None) or StartupPhases()
+        self.startup = startup if startup is not None else StartupPhases()
         files = [self.manifest.rank_file(name, rank) for name in (MODEL_FILE, WEIGHTS_FILE)]
         self.device = torch.device(device)
         start = time.perf_counter()
@@ -110,14 +121,10 @@ class TorchExecutor:
         """The node list this executor runs (here: the graph as compiled)."""
         return graph
 
-    # `execute` takes ``input_ids`` already on the device (an async engine's next step reads
-    # the previous step's tokens from there).
-    takes_device_input_ids = True
-
     @torch.inference_mode()
     def execute(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step (the contract's inputs; ``input_ids``, if given, replaces the first of
-        the step's: see `Executor.execute`); returns ``logits[num_seqs, vocab]`` (fp32, CPU).
+        the step's: see `Executor.execute`); returns the logits (fp32, on the CPU).
         The KV pool is updated in place."""
         feeds = step.to(self.device).as_dict()
         if input_ids is not None:

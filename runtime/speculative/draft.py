@@ -89,9 +89,7 @@ class DraftModelProposer:
             shadow = Sequence(seq.request_id, seq.token_ids, seq.params)
             shadow.status = SequenceStatus.RUNNING
             self.shadows[seq.request_id] = shadow
-            self.generators[seq.request_id] = make_generator(
-                seq.params, getattr(self.executor, "device", "cpu")
-            )
+            self.generators[seq.request_id] = make_generator(seq.params, self.executor.device)
             return shadow
         # The last token is always run again: its logits give the first draft.
         keep = min(
