@@ -25,7 +25,6 @@ preempted: their blocks are freed and they go back to the front of the queue, to
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -39,17 +38,47 @@ if TYPE_CHECKING:
     from trtc.runtime.core.proposal import Proposal
 
 
+@dataclass(slots=True)
+class ScheduledRow:
+    """One sequence's share of a step: the tokens it runs (its uncomputed tokens after the
+    first ``pending``, then the drafts of its proposal if it has one)."""
+
+    seq: Sequence
+    num_new_tokens: int  # uncomputed tokens run, drafts included
+    proposal: Proposal | None
+    # Whether the step reaches the end of the sequence's tokens, so its logits give the next
+    # token (False for a prefill chunk that is not the last). Fixed at schedule time.
+    samples: bool
+    # Tokens of its sequence that the step before this one computes and the host has not
+    # counted yet (a prompt chunk continued in a step scheduled ahead); this row's tokens
+    # start after them.
+    pending: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.proposal) if self.proposal else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows of this row: its last token's, and one per draft."""
+        return 1 + self.num_drafts
+
+    def to_work(self) -> SequenceWork:
+        """This row as the step contract's input (call before ``postprocess``)."""
+        if not self.proposal:
+            return self.seq.to_work(self.num_new_tokens, skip=self.pending)
+        work = self.seq.to_work(self.num_new_tokens - len(self.proposal))
+        work.new_tokens += self.proposal.tokens
+        work.num_logits = 1 + len(self.proposal)
+        return work
+
+
 @dataclass
 class ScheduledBatch:
-    """One step: each sequence with how many tokens it runs (in step order): its uncomputed
-    tokens, then the drafts of its proposal if it has one."""
+    """One step: a `ScheduledRow` per sequence, in step order, and the sequences the step
+    preempted to make room."""
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    proposals: list[Proposal | None] = field(default_factory=list)
-    # Whether the step reaches the end of the sequence's tokens, so its logits give the next token
-    # (False for a prefill chunk that is not the last). Fixed at schedule time.
-    samples: list[bool] = field(default_factory=list)
+    rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # Scheduled ahead (`Scheduler.schedule_ahead`): its first ``ahead`` rows each decode the
     # token the previous step samples for its row of the same index, which the host has not
@@ -59,65 +88,53 @@ class ScheduledBatch:
     # sequences that ended meanwhile are left out).
     ahead_rows: list[int] | None = None
 
-    # Per row: tokens of its sequence that the step before this one computes and the host has
-    # not counted yet (a prompt chunk continued in a step scheduled ahead); this step's tokens
-    # start after them.
-    pending: list[int] = field(default_factory=list)
-
     def add(
         self,
         seq: Sequence,
         num_new_tokens: int,
         proposal: Proposal | None = None,
         pending: int = 0,
+        decodes_unseen: bool = False,
     ) -> None:
-        """``num_new_tokens`` of ``seq``'s uncomputed tokens (after its first ``pending``), and
-        ``proposal``'s drafts."""
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens + (len(proposal) if proposal else 0))
-        self.proposals.append(proposal)
-        self.samples.append(seq.num_computed_tokens + pending + num_new_tokens == seq.num_tokens)
-        self.pending.append(pending)
+        """Schedule ``num_new_tokens`` of ``seq``'s uncomputed tokens (after its first
+        ``pending``) and ``proposal``'s drafts: the one way a row is made. ``decodes_unseen``:
+        the row decodes the token the step before samples, not appended yet (a step scheduled
+        ahead); it samples the token after it."""
+        drafts = len(proposal) if proposal else 0
+        reaches_end = seq.num_computed_tokens + pending + num_new_tokens == seq.num_tokens
+        samples = decodes_unseen or reaches_end
+        self.rows.append(ScheduledRow(seq, num_new_tokens + drafts, proposal, samples, pending))
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [row.seq for row in self.rows]
 
     @property
     def speculative(self) -> bool:
-        return any(self.proposals)
+        return any(row.proposal for row in self.rows)
 
-    def num_logits(self, i: int) -> int:
-        """Logits rows of row ``i``: its last token's, and one per draft."""
-        return 1 + (len(self.proposals[i]) if self.proposals[i] else 0)
-
-    def __iter__(self) -> Iterator[tuple[Sequence, int]]:
-        return iter(zip(self.seqs, self.num_new_tokens))
+    def __iter__(self) -> Iterator[ScheduledRow]:
+        return iter(self.rows)
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return len(self.rows)
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(row.num_new_tokens for row in self.rows)
 
     def to_work(self) -> list[SequenceWork]:
         """The step contract's input (call before ``postprocess``, which advances the sequences).
         A row scheduled ahead holds a placeholder input token, at the position after its
         sequence's last known token."""
-        work = [
-            SequenceWork([0], seq.num_tokens, list(seq.block_table))
-            for seq in self.seqs[: self.ahead]
+        ahead = [
+            SequenceWork([0], row.seq.num_tokens, list(row.seq.block_table))
+            for row in self.rows[: self.ahead]
         ]
-        rows = zip(self.seqs, self.num_new_tokens, self.proposals, self.pending)
-        for seq, n, proposal, pending in itertools.islice(rows, self.ahead, None):
-            if proposal:
-                w = seq.to_work(n - len(proposal))
-                w.new_tokens += proposal.tokens
-                w.num_logits = 1 + len(proposal)
-            else:
-                w = seq.to_work(n, skip=pending)
-            work.append(w)
-        return work
+        return ahead + [row.to_work() for row in self.rows[self.ahead :]]
 
     def has_running(self) -> bool:
-        return any(seq.status is SequenceStatus.RUNNING for seq in self.seqs)
+        return any(row.seq.status is SequenceStatus.RUNNING for row in self.rows)
 
 
 class Scheduler:
@@ -249,9 +266,10 @@ class Scheduler:
         with it are known in advance, so a step of nothing but those is not scheduled. Rows of
         ``batch`` whose sequences ended since it was scheduled are left out (``ahead_rows``
         names the rows of ``batch`` the decoding rows take their tokens from)."""
-        rows = [i for i, seq in enumerate(batch.seqs) if seq.status is SequenceStatus.RUNNING]
-        decoding = [i for i in rows if batch.samples[i]]
-        chunks = [i for i in rows if not batch.samples[i]]
+        previous = batch.rows
+        rows = [i for i, row in enumerate(previous) if row.seq.status is SequenceStatus.RUNNING]
+        decoding = [i for i in rows if previous[i].samples]
+        chunks = [i for i in rows if not previous[i].samples]
         if (
             batch.speculative
             or not decoding
@@ -260,7 +278,7 @@ class Scheduler:
             or (
                 not chunks
                 and all(
-                    batch.seqs[i].num_output_tokens + 1 >= batch.seqs[i].params.max_tokens
+                    previous[i].seq.num_output_tokens + 1 >= previous[i].seq.params.max_tokens
                     for i in decoding
                 )
             )
@@ -269,19 +287,15 @@ class Scheduler:
         ahead = ScheduledBatch(ahead=len(decoding))
         if len(decoding) < len(batch):
             ahead.ahead_rows = decoding
-        for seq in (batch.seqs[i] for i in decoding):
+        for seq in (previous[i].seq for i in decoding):
             # Room for the position after the sampled token's: num_tokens + 1 once it is appended.
             if not self.block_manager.ensure_capacity(seq, seq.num_tokens + 1):
                 return None  # growing the others was not wasted: the next step needs it
-            ahead.seqs.append(seq)
-            ahead.num_new_tokens.append(1)
-            ahead.proposals.append(None)
-            ahead.samples.append(True)
-            ahead.pending.append(0)
+            ahead.add(seq, 1, decodes_unseen=True)
         budget = self.max_num_batched_tokens - len(decoding)
         for i in chunks:
             # ``batch``'s chunk: not yet counted (the step before it has been, `postprocess`)
-            seq, pending = batch.seqs[i], batch.num_new_tokens[i]
+            seq, pending = previous[i].seq, previous[i].num_new_tokens
             computed = seq.num_computed_tokens + pending
             n = self._chunk(seq, seq.num_tokens - computed, budget)
             if n < 1 or not self.block_manager.ensure_capacity(seq, computed + n):
@@ -306,7 +320,8 @@ class Scheduler:
         if total <= len(batch) or j == len(buckets) or buckets[j] == total or j == 0:
             return  # decode-only, run eagerly (no padding), exact, or nothing below
         cut = total - buckets[j - 1]
-        n = batch.num_new_tokens[-1]
+        last = batch.rows[-1]
+        n = last.num_new_tokens
         # A decode row (n = 1) is never cut: n <= cut.
         if (
             batch.speculative
@@ -315,8 +330,8 @@ class Scheduler:
             or n <= cut
         ):
             return
-        batch.num_new_tokens[-1] = n - cut
-        batch.samples[-1] = False  # its last ``cut`` tokens are left for the next step
+        last.num_new_tokens = n - cut
+        last.samples = False  # its last ``cut`` tokens are left for the next step
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> Proposal | None:
         """``seq``'s proposal (taken from it), if the step can run all of its uncomputed tokens
@@ -357,13 +372,11 @@ class Scheduler:
                 f"{len(sampled_token_ids)} sampled tokens for a step of {len(batch)} sequences"
             )
         finished = []
-        for (seq, n), samples, proposal, sampled in zip(
-            batch, batch.samples, batch.proposals, sampled_token_ids, strict=True
-        ):
+        for row, sampled in zip(batch.rows, sampled_token_ids, strict=True):
+            seq, n, drafts = row.seq, row.num_new_tokens, row.num_drafts
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished since the step was scheduled
-            drafts = len(proposal) if proposal else 0
-            if not samples:
+            if not row.samples:
                 seq.num_computed_tokens += n
                 self.block_manager.cache_computed_blocks(seq)
                 continue

@@ -8,21 +8,8 @@ so reading them waits for step n alone."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-
-from trtc.runtime.core.scheduler import ScheduledBatch
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the executor: its batch, its token ids on the device (None when the
-    host has them already), and how to get its tokens (waits for the step)."""
-
-    batch: ScheduledBatch
-    device_tokens: torch.Tensor | None
-    tokens: Callable[[], list[int | None]]
 
 
 class TokenReadback:

@@ -95,3 +95,18 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """A conversation's ids through the model's chat template, ready for the reply."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# Tokens that end a chat turn in the families trtc serves, beside the tokenizer's own EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The ids of `END_OF_TURN_TOKENS` this tokenizer has: a chat model stops generating at
+    them even where its config names another EOS."""
+    ids = set()
+    for token in END_OF_TURN_TOKENS:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return ids

@@ -23,7 +23,7 @@ def test_chunked_prefill_splits_a_long_prompt():
     chunks = []
     for _ in range(4):
         batch = sched.schedule()
-        chunks.append(batch.num_new_tokens)
+        chunks.append([r.num_new_tokens for r in batch])
         sched.postprocess(batch, model.step(batch))
     assert chunks == [[32], [32], [32], [4]]
     assert s.num_output_tokens == 1  # a token only once the whole prompt was computed
@@ -41,8 +41,8 @@ def test_a_step_mixes_decode_tokens_and_a_prefill_chunk():
     sched.add(seq("b", 100, start=500))
     batch = sched.schedule()
     assert [s.request_id for s in batch.seqs] == ["a", "b"]
-    assert batch.num_new_tokens == [1, 31]
-    assert batch.samples == [True, False]
+    assert [r.num_new_tokens for r in batch] == [1, 31]
+    assert [r.samples for r in batch] == [True, False]
     sched.postprocess(batch, model.step(batch))
     assert a.num_output_tokens == 2 and sched.num_waiting == 0 and sched.num_running == 2
 
@@ -69,7 +69,7 @@ def test_long_prefill_threshold_lets_a_short_request_start_during_a_long_prefill
     sched.add(long)
     sched.add(short)
     batch = sched.schedule()
-    assert batch.num_new_tokens == [16, 5]
+    assert [r.num_new_tokens for r in batch] == [16, 5]
     sched.postprocess(batch, model.step(batch))
     assert short.num_output_tokens == 1 and long.num_output_tokens == 0
 
@@ -180,7 +180,10 @@ def test_shared_prefix_is_computed_once():
     sched.postprocess(batch, model.step(batch))
     sched.add(b)
     batch = sched.schedule()
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2]  # b only runs its own 2 tokens
+    assert batch.seqs == [a, b] and [r.num_new_tokens for r in batch] == [
+        1,
+        2,
+    ]  # b only runs its own 2 tokens
     assert b.num_cached_prefix_tokens == 64 and b.block_table[:4] == a.block_table[:4]
     sched.postprocess(batch, model.step(batch))
     run(sched, model)
@@ -226,7 +229,7 @@ def test_work_is_valid_for_the_step_contract():
     for i, n in enumerate((30, 7, 50)):
         sched.add(seq(f"r{i}", n, start=100 * i))
     batch = sched.schedule()
-    assert batch.num_new_tokens == [30, 7, 11]
+    assert [r.num_new_tokens for r in batch] == [30, 7, 11]
     step = make_step(batch.to_work(), 16)
     assert step.query_start_loc.tolist() == [0, 30, 37, 48]
     assert step.context_lens.tolist() == [30, 7, 11]
@@ -260,15 +263,15 @@ def test_a_step_just_above_a_token_bucket_is_cut_down_to_it():
         sched.add(prompt)
         batch = sched.schedule()
         if buckets:
-            assert batch.num_new_tokens == [1, 1, 1, 61] and batch.num_tokens == 64
-            assert batch.samples == [True, True, True, False]
+            assert [r.num_new_tokens for r in batch] == [1, 1, 1, 61] and batch.num_tokens == 64
+            assert [r.samples for r in batch] == [True, True, True, False]
             sched.postprocess(batch, model.step(batch))
             assert prompt.num_computed_tokens == 61 and prompt.num_output_tokens == 0
             nxt = sched.schedule()  # 12 tokens: no bucket between the 4 rows and them
-            assert nxt.num_new_tokens == [1, 1, 1, 9] and nxt.samples[-1]
+            assert [r.num_new_tokens for r in nxt] == [1, 1, 1, 9] and [r.samples for r in nxt][-1]
             sched.postprocess(nxt, model.step(nxt))
         else:
-            assert batch.num_new_tokens == [1, 1, 1, 70]
+            assert [r.num_new_tokens for r in batch] == [1, 1, 1, 70]
             sched.postprocess(batch, model.step(batch))
         run(sched, model)
         outputs[buckets] = [s.output_token_ids for s in (*decoding, prompt)]
@@ -289,7 +292,7 @@ def test_a_step_is_cut_only_where_it_defers_fewer_tokens_than_it_pads(prompt_len
     sched, model = make(num_blocks=128, budget=256, token_buckets=BUCKETS)
     _decoding(sched, model, 3)
     sched.add(seq("p", prompt_len, max_tokens=2, start=600))
-    assert sched.schedule().num_new_tokens == [1, 1, 1, want]
+    assert [r.num_new_tokens for r in sched.schedule()] == [1, 1, 1, want]
 
 
 def test_a_step_is_not_cut_where_its_last_row_would_keep_no_token():
@@ -299,4 +302,4 @@ def test_a_step_is_not_cut_where_its_last_row_would_keep_no_token():
     _decoding(sched, model, 1)
     sched.add(seq("a", 34, max_tokens=2, start=600))
     sched.add(seq("b", 5, max_tokens=2, start=700))
-    assert sched.schedule().num_new_tokens == [1, 34, 5]
+    assert [r.num_new_tokens for r in sched.schedule()] == [1, 34, 5]

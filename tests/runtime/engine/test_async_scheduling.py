@@ -103,7 +103,10 @@ def test_schedule_ahead_continues_every_row_and_admits_who_waits():
     blocks_before = list(long.block_table)
     ahead = sched.schedule_ahead(second)
     assert (
-        ahead is not None and ahead.ahead and ahead.seqs == [long] and ahead.num_new_tokens == [1]
+        ahead is not None
+        and ahead.ahead
+        and ahead.seqs == [long]
+        and [r.num_new_tokens for r in ahead] == [1]
     )
     assert (
         len(long.block_table) * 16 >= long.num_tokens + 1
@@ -115,7 +118,10 @@ def test_schedule_ahead_continues_every_row_and_admits_who_waits():
     # admits short's prompt (from the host) after it.
     after = sched.schedule_ahead(ahead)
     assert after is not None and after.ahead == 1 and after.seqs == [long, short]
-    assert after.num_new_tokens == [1, 4] and after.samples == [True, True]
+    assert [r.num_new_tokens for r in after] == [1, 4] and [r.samples for r in after] == [
+        True,
+        True,
+    ]
     assert not sched.waiting and short.status is SequenceStatus.RUNNING
     work = after.to_work()
     assert work[0].new_tokens == [0] and work[1].new_tokens == short.token_ids
@@ -132,17 +138,28 @@ def test_a_prompt_chunk_continues_in_the_step_ahead():
     sched.postprocess(first, model.step(first))  # a decodes now
     sched.add(b)
     second = sched.schedule()
-    assert second.num_new_tokens == [1, 15] and second.samples == [True, False]
+    assert [r.num_new_tokens for r in second] == [1, 15] and [r.samples for r in second] == [
+        True,
+        False,
+    ]
     second_tokens = model.step(second)
     third = sched.schedule_ahead(second)  # queued before second's tokens are read
     assert third is not None and third.ahead == 1 and third.ahead_rows == [0]
-    assert third.seqs == [a, b] and third.num_new_tokens == [1, 15] and third.pending == [0, 15]
+    assert (
+        third.seqs == [a, b]
+        and [r.num_new_tokens for r in third] == [1, 15]
+        and [r.pending for r in third] == [0, 15]
+    )
     work = third.to_work()
     assert work[1].num_cached == 15 and work[1].new_tokens == b.token_ids[15:30]
     third_tokens = model.step(third, input_ids=[second_tokens[0]])  # b's KV checked by the fake
     sched.postprocess(second, second_tokens)
     fourth = sched.schedule_ahead(third)  # b's last 10 tokens: it samples
-    assert fourth.seqs == [a, b] and fourth.pending == [0, 15] and fourth.samples == [True, True]
+    assert (
+        fourth.seqs == [a, b]
+        and [r.pending for r in fourth] == [0, 15]
+        and [r.samples for r in fourth] == [True, True]
+    )
     model.step(fourth, input_ids=[third_tokens[0]])
     sched.postprocess(third, third_tokens)
     assert b.num_computed_tokens == 30 and a.num_output_tokens == 3

@@ -101,7 +101,7 @@ def test_speculation_backs_off_from_drafts_that_keep_failing(tiny_artifacts):
     params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
     expect = LLM(tiny_artifacts["tiny-llama"], executor="torch").generate(PROMPTS[:1], params)
     llm = LLM(tiny_artifacts["tiny-llama"], executor="torch", speculative="ngram")
-    llm.engine.proposer = Wrong()
+    llm.engine.speculation.proposer = Wrong()
     got = llm.generate(PROMPTS[:1], params)
     assert got[0].token_ids == expect[0].token_ids
     c = llm.engine.counters
