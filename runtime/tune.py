@@ -43,7 +43,8 @@ from trtc.artifact import (
 )
 from trtc.contract import SequenceWork, make_step
 from trtc.errors import ArtifactError
-from trtc.runtime.bench import make_requests, run_engine
+from trtc.runtime.bench.in_process import run_engine
+from trtc.runtime.bench.request_sets import make_requests
 from trtc.runtime.executors.tuning import (
     KernelEnvironment,
     Tuning,

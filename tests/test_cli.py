@@ -277,14 +277,3 @@ def test_bench_text_option_checks_its_arguments(tiny_artifacts, tmp_path):
     r = run("bench", art, "-n", "2", "--text", "pydoc", "--mode", "inflight", "--executor", "torch")
     assert r.returncode == 0, r.stderr
     assert "(text: pydoc)" in r.stdout
-
-
-def test_bench_table_keeps_sub_millisecond_latencies():
-    """A single stream's TPOT is a fraction of a millisecond: the table must tell 0.591 from
-    1.030 ms, not print 0.6 and 1.0."""
-    from trtc.cli import milliseconds
-
-    assert milliseconds(0.000591) == "0.591"
-    assert milliseconds(0.00103) == "1.030"
-    assert milliseconds(0.1547) == "154.7"
-    assert milliseconds(None) == "-"

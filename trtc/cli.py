@@ -161,18 +161,21 @@ def inspect(
 
 
 def _engine_config(
-    executor,
-    num_blocks,
-    kv_cache_memory_mib,
-    max_num_seqs,
-    max_num_batched_tokens,
-    no_prefix_caching,
-    no_async_scheduling=False,
-    speculative=None,
-    speculative_tokens=4,
-    speculative_max_batch=8,
-    defer_graphs=False,
+    *,
+    executor: str,
+    kv_cache_memory_mib: float,
+    no_prefix_caching: bool,
+    no_async_scheduling: bool,
+    speculative: str | None,
+    speculative_tokens: int,
+    speculative_max_batch: int,
+    num_blocks: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    defer_graphs: bool = False,
 ):
+    """The `EngineConfig` of the options `serve` and `bench` share (the KV pool in MiB, the
+    switches that turn a default off)."""
     from trtc.runtime.engine import EngineConfig
 
     return EngineConfig(
@@ -279,16 +282,16 @@ def serve(
     if _torchrun_worker(artifact, executor):
         return
     config = _engine_config(
-        executor.value,
-        num_blocks,
-        kv_cache_memory,
-        max_num_seqs,
-        max_num_batched_tokens,
-        no_prefix_caching,
-        no_async_scheduling,
-        speculative,
-        speculative_tokens,
-        speculative_max_batch,
+        executor=executor.value,
+        num_blocks=num_blocks,
+        kv_cache_memory_mib=kv_cache_memory,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        no_prefix_caching=no_prefix_caching,
+        no_async_scheduling=no_async_scheduling,
+        speculative=speculative,
+        speculative_tokens=speculative_tokens,
+        speculative_max_batch=speculative_max_batch,
         defer_graphs=True,  # ready sooner: the engine loop captures most graphs after
     )
     try:
@@ -412,68 +415,71 @@ def _range(text: str, name: str) -> tuple[int, int]:
         ) from None
 
 
-def milliseconds(seconds: float | None) -> str:
-    """A latency for the bench table, in ms: three decimals under 10 ms (a decode step's TPOT
-    is a fraction of a millisecond), one above; "-" where there is none."""
-    if seconds is None:
-        return "-"
-    ms = seconds * 1000
-    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
+# `trtc bench`'s options, declared here so that the command's signature stays short.
+BENCH_ARTIFACT = typer.Argument(None, help="artifact to load in-process (or use --url)")
+BENCH_URL = typer.Option(None, help="benchmark a running `trtc serve` at this URL instead")
+NUM_REQUESTS = typer.Option(64, "--num-requests", "-n", help="requests in the set")
+PROMPT_LEN = typer.Option("32:256", help="prompt tokens, MIN:MAX (uniform)")
+OUTPUT_LEN = typer.Option("16:128", help="output tokens, MIN:MAX (uniform; EOS ignored)")
+BENCH_SEED = typer.Option(0, help="seed of the request set and of Poisson arrivals")
+BENCH_TEXT = typer.Option(
+    None,
+    help="cut the prompts from real text instead of random tokens: 'pydoc' (the Python "
+    "documentation's topics, which every Python ships) or a UTF-8 file; with --url, give "
+    "the served ARTIFACT too (its tokenizer cuts the same prompts)",
+)
+CONCURRENCY = typer.Option(
+    16, help="requests in flight (in-flight mode) / batch size (static mode)"
+)
+RATE = typer.Option(None, help="Poisson arrival rate in requests/s instead of fixed concurrency")
+BENCH_MODE = typer.Option(
+    "both", help="inflight | static | both (same request set, one after the other)"
+)
+BASELINE = typer.Option(
+    None,
+    help="hf: also run transformers' generate on the source model in static batches of "
+    "--concurrency, on the same device; hf-cb: transformers' continuous batching "
+    "(ContinuousBatchingManager) with at most --concurrency in flight; hf,hf-cb: both",
+)
+JSON_OUT = typer.Option(None, "--json", help="also write the results as JSON here")
+PREFIX_CACHING = typer.Option(
+    False,
+    "--prefix-caching",
+    help="keep prefix caching on (off by default: "
+    "the second mode would reuse the first mode's blocks)",
+)
+BENCH_API_KEY = typer.Option(
+    None, "--api-key", help="API key of the server at --url (default: $TRTC_API_KEY)"
+)
+LOAD_PROCESSES = typer.Option(
+    0,
+    "--load-processes",
+    help="with --url: processes the load generator spreads its streams over (0: one per 16 "
+    "streams, at most 4 and half the CPUs); one process parsing every stream's chunks can "
+    "be the bottleneck it measures",
+    min=0,
+)
 
 
 @app.command()
 def bench(
-    artifact: Path | None = typer.Argument(None, help="artifact to load in-process (or use --url)"),
-    url: str | None = typer.Option(
-        None, help="benchmark a running `trtc serve` at this URL instead"
-    ),
-    num_requests: int = typer.Option(64, "--num-requests", "-n", help="requests in the set"),
-    prompt_len: str = typer.Option("32:256", help="prompt tokens, MIN:MAX (uniform)"),
-    output_len: str = typer.Option("16:128", help="output tokens, MIN:MAX (uniform; EOS ignored)"),
-    seed: int = typer.Option(0, help="seed of the request set and of Poisson arrivals"),
-    text: str | None = typer.Option(
-        None,
-        help="cut the prompts from real text instead of random tokens: 'pydoc' (the Python "
-        "documentation's topics, which every Python ships) or a UTF-8 file; with --url, give "
-        "the served ARTIFACT too (its tokenizer cuts the same prompts)",
-    ),
-    concurrency: int = typer.Option(
-        16, help="requests in flight (in-flight mode) / batch size (static mode)"
-    ),
-    rate: float | None = typer.Option(
-        None, help="Poisson arrival rate in requests/s instead of fixed concurrency"
-    ),
-    mode: str = typer.Option(
-        "both", help="inflight | static | both (same request set, one after the other)"
-    ),
-    baseline: str | None = typer.Option(
-        None,
-        help="hf: also run transformers' generate on the source model in static batches of "
-        "--concurrency, on the same device; hf-cb: transformers' continuous batching "
-        "(ContinuousBatchingManager) with at most --concurrency in flight; hf,hf-cb: both",
-    ),
+    artifact: Path | None = BENCH_ARTIFACT,
+    url: str | None = BENCH_URL,
+    num_requests: int = NUM_REQUESTS,
+    prompt_len: str = PROMPT_LEN,
+    output_len: str = OUTPUT_LEN,
+    seed: int = BENCH_SEED,
+    text: str | None = BENCH_TEXT,
+    concurrency: int = CONCURRENCY,
+    rate: float | None = RATE,
+    mode: str = BENCH_MODE,
+    baseline: str | None = BASELINE,
     executor: Executor = typer.Option(Executor.auto, help=EXECUTOR_HELP),
     kv_cache_memory: float = typer.Option(1024, "--kv-cache-memory", help="MiB for the KV pool"),
-    json_out: Path | None = typer.Option(
-        None, "--json", help="also write the results as JSON here"
-    ),
-    prefix_caching: bool = typer.Option(
-        False,
-        "--prefix-caching",
-        help="keep prefix caching on (off by default: "
-        "the second mode would reuse the first mode's blocks)",
-    ),
-    api_key: str | None = typer.Option(
-        None, "--api-key", help="API key of the server at --url (default: $TRTC_API_KEY)"
-    ),
-    load_processes: int = typer.Option(
-        0,
-        "--load-processes",
-        help="with --url: processes the load generator spreads its streams over (0: one per 16 "
-        "streams, at most 4 and half the CPUs); one process parsing every stream's chunks can "
-        "be the bottleneck it measures",
-        min=0,
-    ),
+    json_out: Path | None = JSON_OUT,
+    prefix_caching: bool = PREFIX_CACHING,
+    api_key: str | None = BENCH_API_KEY,
+    load_processes: int = LOAD_PROCESSES,
     no_async_scheduling: bool = typer.Option(False, "--no-async-scheduling", help=ASYNC_HELP),
     speculative: str | None = SPECULATIVE,
     speculative_tokens: int = SPECULATIVE_TOKENS,
@@ -484,11 +490,44 @@ def bench(
     static batching (fixed batches that wait for their longest member) on the same requests."""
     import json
 
-    from rich.table import Table
+    from trtc.runtime.bench import report
 
-    from trtc import envs
-    from trtc.runtime import bench as B
+    baselines = _bench_baselines(artifact, url, text, baseline, mode)
+    plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
+    spec = {"n": num_requests, "prompt_len": plen, "output_len": olen, "seed": seed}
+    try:
+        if text is not None:
+            from trtc.corpus import read_text
 
+            spec["text"] = read_text(text)
+        if url:
+            results = _bench_server(url, artifact, spec, concurrency, rate, api_key, load_processes)
+        else:
+            config = _engine_config(
+                executor=executor.value,
+                kv_cache_memory_mib=kv_cache_memory,
+                max_num_seqs=max(concurrency, 1),
+                no_prefix_caching=not prefix_caching,
+                no_async_scheduling=no_async_scheduling,
+                speculative=speculative,
+                speculative_tokens=speculative_tokens,
+                speculative_max_batch=speculative_max_batch,
+            )
+            results = _bench_in_process(artifact, config, spec, concurrency, rate, mode, baselines)
+    except (TrtcError, ValueError) as e:
+        _fail(e)
+    _print_bench(results, report.title(num_requests, prompt_len, output_len, seed, text))
+    if json_out:
+        document = report.json_document(
+            results, num_requests, prompt_len, output_len, seed, concurrency
+        )
+        json_out.write_text(json.dumps(document, indent=2))
+
+
+def _bench_baselines(
+    artifact: Path | None, url: str | None, text: str | None, baseline: str | None, mode: str
+) -> tuple[str, ...]:
+    """`bench`'s arguments checked together; the baselines named by ``--baseline``."""
     if (artifact is None and url is None) or (artifact and url and text is None):
         raise typer.BadParameter(
             "give either an ARTIFACT directory or --url (both only with --text: the ARTIFACT's "
@@ -502,115 +541,80 @@ def bench(
         )
     if mode not in ("inflight", "static", "both"):
         raise typer.BadParameter(f"{mode!r}: choose inflight, static or both", param_hint="--mode")
-    plen, olen = _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len")
-    spec = {"n": num_requests, "prompt_len": plen, "output_len": olen, "seed": seed}
-    try:
-        if text is not None:
-            from trtc.corpus import read_text
+    return baselines
 
-            spec["text"] = read_text(text)
-        if url:
-            tokenizer = None
-            if artifact is not None:
-                from trtc.artifact import Artifact
-                from trtc.runtime.engine.tokenizer import load_tokenizer
 
-                tokenizer = load_tokenizer(Artifact.open(artifact).tokenizer_dir)
-            processes = load_processes or B.default_load_processes(concurrency)
-            results = B.bench_url(
-                url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY, tokenizer, processes
-            )
-        else:
-            hf_loader = None
-            if baselines:
-                from trtc.compiler.source import load_source_model as hf_loader
-            config = _engine_config(
-                executor.value,
-                None,
-                kv_cache_memory,
-                max(concurrency, 1),
-                None,
-                not prefix_caching,
-                no_async_scheduling,
-                speculative,
-                speculative_tokens,
-                speculative_max_batch,
-            )
-            modes = list(B.MODES) if mode == "both" else [mode]
-            results = B.bench_artifact(
-                artifact,
-                config,
-                spec,
-                concurrency,
-                rate,
-                modes,
-                hf_loader,
-                log=err.print,
-                baselines=baselines,
-            )
-    except (TrtcError, ValueError) as e:
-        _fail(e)
+def _bench_server(
+    url: str,
+    artifact: Path | None,
+    spec: dict,
+    concurrency: int,
+    rate: float | None,
+    api_key: str | None,
+    load_processes: int,
+) -> list[dict]:
+    """`bench --url`: the server replayed, its prompts cut by the ARTIFACT's tokenizer when
+    one is given."""
+    from trtc import envs
+    from trtc.runtime.bench import bench_url, default_load_processes
 
-    table = Table(
-        title=f"trtc bench: {num_requests} requests, prompts {prompt_len}"
-        + (f" (text: {text})" if text else "")
-        + f", outputs {output_len}, seed {seed}"
+    tokenizer = None
+    if artifact is not None:
+        from trtc.artifact import Artifact
+        from trtc.runtime.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(Artifact.open(artifact).tokenizer_dir)
+    processes = load_processes or default_load_processes(concurrency)
+    return bench_url(
+        url, spec, concurrency, rate, api_key or envs.TRTC_API_KEY, tokenizer, processes
     )
+
+
+def _bench_in_process(
+    artifact: Path,
+    config,
+    spec: dict,
+    concurrency: int,
+    rate: float | None,
+    mode: str,
+    baselines: tuple[str, ...],
+) -> list[dict]:
+    """`bench ARTIFACT`: the artifact in-process in ``mode`` ("both": each of the modes), then
+    the baselines on its source model (loaded by the compiler)."""
+    from trtc.runtime.bench import MODES, bench_artifact
+
+    hf_loader = None
+    if baselines:
+        from trtc.compiler.source import load_source_model as hf_loader
+    modes = list(MODES) if mode == "both" else [mode]
+    return bench_artifact(
+        artifact,
+        config,
+        spec,
+        concurrency,
+        rate,
+        modes,
+        hf_loader,
+        log=err.print,
+        baselines=baselines,
+    )
+
+
+def _print_bench(results: list[dict], title: str) -> None:
+    """The results as a table (a column per result), then the first compared with the others."""
+    from rich.table import Table
+
+    from trtc.runtime.bench import report
+
+    table = Table(title=title)
     table.add_column("metric")
     for r in results:
         table.add_column(r["mode"], justify="right")
-
-    table.add_row("requests/s", *[f"{r['requests_per_s']:.2f}" for r in results])
-    table.add_row("output tokens/s", *[f"{r['output_tokens_per_s']:.1f}" for r in results])
-    for key, label in (
-        ("ttft_s", "TTFT ms"),
-        ("tpot_s", "TPOT ms"),
-        ("itl_s", "ITL ms"),
-        ("e2e_s", "E2E ms"),
-    ):
-        for p in ("p50", "p90", "p99"):
-            table.add_row(f"{label} {p}", *[milliseconds(r[key][p]) for r in results])
-    table.add_row("duration s", *[f"{r['duration_s']:.1f}" for r in results])
-    table.add_row(
-        "peak KV MB",
-        *[f"{r['peak_kv_mb']:.1f}" if r.get("peak_kv_mb") is not None else "-" for r in results],
-    )
-    table.add_row(
-        "peak RSS MB",
-        *[f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") else "-" for r in results],
-    )
-    sides = ("client_cpu_cores", "server_cpu_cores", "engine_cpu_cores")
-    if any(sides[0] in r for r in results):  # runs through a server
-        table.add_row(
-            "CPU cores client / server / engine",
-            *[" / ".join(f"{r[k]:.2f}" if k in r else "-" for k in sides) for r in results],
-        )
-        table.add_row("client processes", *[str(r.get("client_processes", "-")) for r in results])
-    if any(r.get("spec") for r in results):
-        table.add_row(
-            "tokens per verifying step",
-            *[
-                f"{r['spec']['mean_accepted_length']:.2f}" if r.get("spec") else "-"
-                for r in results
-            ],
-        )
+    for row in report.table_rows(results):
+        table.add_row(*row)
     Console().print(table)
-    for line in B.comparisons(results):
+    for line in report.comparisons(results):
         Console().print(line)
-    if json_out:
-        json_out.write_text(
-            json.dumps(
-                {
-                    "requests": num_requests,
-                    "prompt_len": prompt_len,
-                    "output_len": output_len,
-                    "seed": seed,
-                    "concurrency": concurrency,
-                    "results": results,
-                },
-                indent=2,
-            )
-        )
 
 
 def _checkpoint_names() -> str:

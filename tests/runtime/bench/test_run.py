@@ -8,7 +8,8 @@ import pytest
 from harness.serving import ServerProcess
 from trtc.artifact import Artifact
 from trtc.corpus import default_text
-from trtc.runtime.bench import bench_artifact, bench_url, make_requests, request_set
+from trtc.runtime.bench.request_sets import make_requests
+from trtc.runtime.bench.run import bench_artifact, bench_url
 from trtc.runtime.engine import EngineConfig
 from trtc.runtime.engine.tokenizer import load_tokenizer
 
@@ -57,33 +58,8 @@ def test_server_and_in_process_count_the_same_tokens(tiny_artifacts, tmp_path):
     assert http["peak_rss_mb"] > 50
 
 
-def test_transformers_continuous_batching_baseline_runs_the_same_set(tiny_artifacts):
-    from trtc.artifact import read_manifest
-    from trtc.compiler.source import load_source_model
-    from trtc.contract import TORCH_DTYPES
-    from trtc.runtime.bench import run_hf_continuous
-
-    manifest = read_manifest(tiny_artifacts["tiny-llama"])
-    hf = load_source_model(manifest.source, TORCH_DTYPES[manifest.precision])
-    requests = make_requests(vocab=manifest.model.vocab_size, **SPEC)
-    result = run_hf_continuous(hf, requests, 4, "cpu")
-    assert result["mode"] == "hf-cb" and result["requests"] == 12
-    # EOS ignored: every request gets exactly the tokens it asked for.
-    assert result["output_tokens"] == sum(r.max_tokens for r in requests)
-    assert result["prompt_tokens"] == sum(len(r.prompt_ids) for r in requests)
-
-
-def test_real_text_prompts_are_windows_of_the_text(tiny_artifacts):
-    tokenizer = load_tokenizer(Artifact.open(tiny_artifacts["tiny-llama"]).tokenizer_dir)
-    text = default_text()
-    requests = request_set(TEXT_SPEC, 512, set(), tokenizer)
-    again = request_set(TEXT_SPEC, 512, set(), tokenizer)
-    assert [r.prompt_ids for r in requests] == [r.prompt_ids for r in again]  # seeded
-    assert len({tuple(r.prompt_ids) for r in requests}) == 12
-    for r in requests:
-        assert 8 <= len(r.prompt_ids) <= 40 and 4 <= r.max_tokens <= 24
-        assert tokenizer.decode(r.prompt_ids) in text
-    with pytest.raises(ValueError, match="too short for prompts of up to 40"):
-        request_set({**SPEC, "text": "too short"}, 512, set(), tokenizer)
+def test_real_text_against_a_url_needs_the_served_tokenizer():
+    """Refused before anything is sent: the prompts would be cut without the model's
+    tokenizer."""
     with pytest.raises(ValueError, match="give its ARTIFACT directory too"):
         bench_url("http://127.0.0.1:9", TEXT_SPEC, 4, None)
