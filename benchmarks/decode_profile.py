@@ -35,10 +35,11 @@ import json
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from trtc.artifact import Artifact
+from trtc.artifact import Artifact, Manifest
 from trtc.contract import SequenceWork, StepInputs, make_step
 from trtc.plugins.kernels import gemv, pdl
 from trtc.runtime.executors.cuda_executor import CudaExecutor
@@ -77,7 +78,7 @@ def decode_step(
 def decode_graph(executor: CudaExecutor, batch: int, step: StepInputs) -> torch.cuda.CUDAGraph:
     """The captured decode graph that ``step``, of ``batch`` sequences, replays (the smallest
     size that holds it), with ``step`` loaded into its inputs."""
-    graph, inputs, _ = executor.graphs[next(b for b in sorted(executor.graphs) if b >= batch)]
+    graph, inputs, _ = executor.decode.graphs[executor.decode.pick(batch)]
     inputs.load(step)
     return graph
 
@@ -138,8 +139,7 @@ def kernel_table(
     return rows, sum(t for _, _, t in rows)
 
 
-@torch.inference_mode()
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -189,7 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         "the step (its end minus the latest end before it)",
     )
     p.add_argument("--json", default=None, help="write the measurements here (JSON)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     ex = CudaExecutor(
         Artifact.open(args.artifact),
@@ -198,81 +203,112 @@ def main(argv: list[str] | None = None) -> None:
         int4_fragments=False if args.no_int4_fragments else None,
         memory_fraction=0.5,
     )
-    manifest = ex.manifest
     bw = copy_bandwidth(COPY_GIB)
-    # A decode step reads every weight once, except the embedding table (only its rows), unless
-    # the LM head is that table.
-    wb = manifest.graph.weight_bytes
-    tied = manifest.model.tie_word_embeddings
-    weight_bytes = wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
-    kv_per_token = manifest.kv_cache.bytes_per_token
-    print(
-        f"{manifest.name}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
-        f"{weight_bytes / 1e9:.2f} GB, fusions {ex.fusions or 'none'}"
-    )
-    held = device_constant_bytes(ex)
-    print(
-        f"weights held on the device: {held / 1e9:.3f} GB (the artifact's: "
-        f"{wb['total'] / 1e9:.3f} GB)"
-    )
-    report = {
-        "copy_bandwidth": bw,
-        "fusions": ex.fusions,
-        "device_constant_bytes": held,
-        "steps": [],
-    }
+    report = weights_report(ex, bw)
     if args.prefill:
         report["prefill"] = {"tokens": args.prefill, "ms": prefill_ms(ex, args.prefill)}
         print(f"prefill of {args.prefill} tokens: {report['prefill']['ms']:.2f} ms")
     # Every timing before the first profile (torch.profiler): batches timed after one came out
     # 14-18% slower than the same graphs timed in a process that had not profiled
     # (BENCHMARKS.md, 2026-12-07, 12:10-12:50 UTC).
-    timed = []
-    for batch in batches:
-        step = decode_step(ex, batch, args.context)
-        graph_ms = median_ms(decode_graph(ex, batch, step).replay)
-
-        def step_to_host(step: StepInputs = step) -> list[int]:  # + loading, token ids back
-            return ex.execute(step).argmax(-1).tolist()
-
-        chunk, chunk_ms = None, None
-        if args.chunk:  # as the engine runs it: host work, a mixed-step graph where one holds it
-            chunk = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
-            chunk_ms = median_ms(lambda chunk=chunk: ex.execute(chunk), reps=20)
-        timed.append((batch, step, graph_ms, median_ms(step_to_host), chunk, chunk_ms))
+    timed = [time_batch(ex, batch, args) for batch in batches]
     if args.ab:
         report["ab"] = ab_graph_times(ex, batches, args.context)
-    for batch, step, graph_ms, step_ms, chunk, chunk_ms in timed:
-        floor_ms = (weight_bytes + batch * (args.context + 1) * kv_per_token) / bw * 1e3
-        rows, kernel_us = kernel_table(ex, step)
-        launches = sum(c for _, c, _ in rows)
-        print(
-            f"\nbatch {batch}, context {args.context}: graph replay {graph_ms * 1e3:.0f} us, floor "
-            f"{floor_ms * 1e3:.0f} us ({graph_ms / floor_ms:.2f}x); execute + argmax to host "
-            f"{step_ms * 1e3:.0f} us; {launches} kernels, {kernel_us:.0f} us of kernel time "
-            f"(gaps {graph_ms * 1e3 - kernel_us:.0f} us)"
-        )
-        for name, count, us in rows[:14]:
-            print(f"  {us:8.1f} us  {count:4d} x  {name[:90]}")
-        report["steps"].append(
-            {
-                "batch": batch,
-                "context": args.context,
-                "graph_us": graph_ms * 1e3,
-                "execute_us": step_ms * 1e3,
-                "floor_us": floor_ms * 1e3,
-                "kernels": launches,
-                "kernel_us": kernel_us,
-                "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]],
-            }
-        )
-        if args.timeline:
-            report["steps"][-1]["timeline"] = graph_timeline(ex, batch, step)
-        if args.chunk:
-            report["steps"][-1]["chunk"] = mixed_step(ex, batch, args, chunk, chunk_ms)
+    report["steps"] = [profile_batch(ex, args, timing, bw) for timing in timed]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def step_weight_bytes(manifest: Manifest) -> int:
+    """The weight bytes a decode step reads: every weight once, except the embedding table
+    (only its rows), unless the LM head is that table."""
+    wb = manifest.graph.weight_bytes
+    tied = manifest.model.tie_word_embeddings
+    return wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
+
+
+def weights_report(ex: CudaExecutor, bw: float) -> dict:
+    """Print the copy bandwidth ``bw``, the weight bytes a decode step reads and those the
+    executor holds on the device; returns the report so far."""
+    manifest = ex.manifest
+    total = manifest.graph.weight_bytes["total"]
+    print(
+        f"{manifest.name}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
+        f"{step_weight_bytes(manifest) / 1e9:.2f} GB, fusions {ex.fusions or 'none'}"
+    )
+    held = device_constant_bytes(ex)
+    print(f"weights held on the device: {held / 1e9:.3f} GB (the artifact's: {total / 1e9:.3f} GB)")
+    return {
+        "copy_bandwidth": bw,
+        "fusions": ex.fusions,
+        "device_constant_bytes": held,
+        "steps": [],
+    }
+
+
+@dataclass
+class BatchTiming:
+    """A decode batch's timings, all taken before any profile: its graph's replay, its step
+    as the engine runs it with the token ids copied back and, with ``--chunk``, its step with
+    a prompt chunk added (``chunk``) as the engine runs it."""
+
+    batch: int
+    step: StepInputs
+    graph_ms: float
+    step_ms: float
+    chunk: StepInputs | None
+    chunk_ms: float | None
+
+
+def time_batch(ex: CudaExecutor, batch: int, args: argparse.Namespace) -> BatchTiming:
+    """`BatchTiming` of a decode step of ``batch`` sequences of ``--context`` cached tokens."""
+    step = decode_step(ex, batch, args.context)
+    graph_ms = median_ms(decode_graph(ex, batch, step).replay)
+
+    def step_to_host() -> list[int]:  # + loading, token ids back
+        return ex.execute(step).argmax(-1).tolist()
+
+    chunk, chunk_ms = None, None
+    if args.chunk:  # as the engine runs it: host work, a mixed-step graph where one holds it
+        chunk = decode_step(ex, batch, args.context, args.chunk, args.chunk_context)
+        chunk_ms = median_ms(lambda: ex.execute(chunk), reps=20)
+    return BatchTiming(batch, step, graph_ms, median_ms(step_to_host), chunk, chunk_ms)
+
+
+def profile_batch(
+    ex: CudaExecutor, args: argparse.Namespace, timing: BatchTiming, bw: float
+) -> dict:
+    """Print and return a batch's report: its ``timing`` against the bandwidth floor (``bw``),
+    the kernels of its step (eager) and, as asked, its replay timeline and chunk step."""
+    batch, graph_ms, step_ms = timing.batch, timing.graph_ms, timing.step_ms
+    kv_bytes = batch * (args.context + 1) * ex.manifest.kv_cache.bytes_per_token
+    floor_ms = (step_weight_bytes(ex.manifest) + kv_bytes) / bw * 1e3
+    rows, kernel_us = kernel_table(ex, timing.step)
+    launches = sum(c for _, c, _ in rows)
+    print(
+        f"\nbatch {batch}, context {args.context}: graph replay {graph_ms * 1e3:.0f} us, floor "
+        f"{floor_ms * 1e3:.0f} us ({graph_ms / floor_ms:.2f}x); execute + argmax to host "
+        f"{step_ms * 1e3:.0f} us; {launches} kernels, {kernel_us:.0f} us of kernel time "
+        f"(gaps {graph_ms * 1e3 - kernel_us:.0f} us)"
+    )
+    for name, count, us in rows[:14]:
+        print(f"  {us:8.1f} us  {count:4d} x  {name[:90]}")
+    report = {
+        "batch": batch,
+        "context": args.context,
+        "graph_us": graph_ms * 1e3,
+        "execute_us": step_ms * 1e3,
+        "floor_us": floor_ms * 1e3,
+        "kernels": launches,
+        "kernel_us": kernel_us,
+        "top": [{"kernel": n, "count": c, "us": t} for n, c, t in rows[:30]],
+    }
+    if args.timeline:
+        report["timeline"] = graph_timeline(ex, batch, timing.step)
+    if args.chunk:
+        report["chunk"] = mixed_step(ex, batch, args, timing.chunk, timing.chunk_ms)
+    return report
 
 
 def replay_timeline(kernels: Sequence[tuple[str, float, float]], replays: int) -> dict:

@@ -59,9 +59,9 @@ def rank_executor(
     if proposed is None:
         if kind == "cuda":
             from trtc import envs
-            from trtc.runtime.executors.cuda_executor import CudaExecutor
+            from trtc.runtime.executors.kv_pool_sizing import pool_blocks
 
-            proposed = CudaExecutor.pool_blocks(
+            proposed = pool_blocks(
                 artifact.manifest,
                 device,
                 int4_fragments=envs.TRTC_INT4_FRAGMENTS,

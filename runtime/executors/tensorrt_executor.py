@@ -189,7 +189,7 @@ class TensorRTExecutor(Executor):
         self.block_size = kv.block_size
         most = self.record.profile[kv_input_name(0)]["max"][1]  # the engine's num_blocks range
         if num_blocks is None:
-            from trtc.runtime.executors.cuda_executor import (
+            from trtc.runtime.executors.kv_pool_sizing import (
                 blocks_for_memory,
             )  # the plan holds the weights
 

@@ -21,7 +21,7 @@ def test_cuda_executor_matches_cpu(tiny_artifacts):
     art = tiny_artifacts["tiny-llama"]
     cpu = TorchExecutor(Artifact.open(art), num_blocks=64)
     gpu = CudaExecutor(Artifact.open(art), num_blocks=64)
-    assert gpu.graphs, "decode graphs were captured"
+    assert gpu.decode.graphs, "decode graphs were captured"
     prompts = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
     tables = [[0, 1, 2, 3], [10, 11, 12], [20, 21]]
     steps = [[SequenceWork(p, 0, t) for p, t in zip(prompts, tables)]]
@@ -53,7 +53,7 @@ def test_multi_token_steps_replay_a_graph_with_the_eager_logits(tiny_artifacts, 
     work = [SequenceWork(n, len(p), t, num_logits=len(n)) for n, p, t in zip(news, prompts, tables)]
     step = make_step(work, 16)
     a, b = eager.execute(step), graphed.execute(step)
-    assert (4, 5) in graphed.multi_graphs  # 3 sequences: the batch-4 graph, bucket 5
+    assert (4, 5) in graphed.verify.graphs  # 3 sequences: the batch-4 graph, bucket 5
     assert b.shape == (9, a.shape[1])
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)
@@ -65,7 +65,7 @@ def test_multi_token_steps_replay_a_graph_with_the_eager_logits(tiny_artifacts, 
         torch.testing.assert_close(
             graphed.execute(follow), eager.execute(follow), atol=1e-4, rtol=1e-4
         )
-    assert set(graphed.multi_graphs) == {(4, 5), (4, 2)}
+    assert set(graphed.verify.graphs) == {(4, 5), (4, 2)}
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral"])
@@ -79,9 +79,9 @@ def test_mixed_steps_replay_a_token_bucket_graph_with_the_eager_logits(tiny_arti
     art = Artifact.open(tiny_artifacts[name])
     eager = CudaExecutor(art, num_blocks=64, mixed_graphs=False)
     graphed = CudaExecutor(art, num_blocks=64, mixed_graphs=True)
-    assert eager.graphs and not eager.mixed_graphs
-    assert max(graphed.graphs) == 8 and graphed.mixed_seqs == 9  # 8 running and the padding
-    assert sorted(graphed.mixed_graphs) == [128, 192, 256]  # above 9 seqs, at most 256 tokens
+    assert eager.decode.graphs and not eager.mixed.graphs
+    assert max(graphed.decode.graphs) == 8 and graphed.mixed.seqs == 9  # 8 running and the padding
+    assert sorted(graphed.mixed.graphs) == [128, 192, 256]  # above 9 seqs, at most 256 tokens
     eager_runs = []
     forward = graphed.forward
     graphed.forward = lambda feeds: eager_runs.append(1) or forward(feeds)
@@ -130,7 +130,7 @@ def test_deferred_graphs_are_captured_one_at_a_time_and_used_as_they_come(tiny_a
     art = Artifact.open(tiny_artifacts["tiny-llama"])
     eager = CudaExecutor(art, num_blocks=64, mixed_graphs=False)
     graphed = CudaExecutor(art, num_blocks=64, mixed_graphs=True, defer_graphs=True)
-    assert sorted(graphed.graphs) == [1] and sorted(graphed.mixed_graphs) == [128]
+    assert sorted(graphed.decode.graphs) == [1] and sorted(graphed.mixed.graphs) == [128]
     assert "5 after ready" in graphed.startup.notes["graphs"]  # decode 8, 4, 2; mixed 256, 192
     eager_runs = []
     forward = graphed.forward
@@ -153,7 +153,7 @@ def test_deferred_graphs_are_captured_one_at_a_time_and_used_as_they_come(tiny_a
             seen.append(bool(eager_runs))
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(graphed.kv_pool, eager.kv_pool, atol=1e-5, rtol=1e-5)
-        seen.append((sorted(graphed.graphs), sorted(graphed.mixed_graphs)))
+        seen.append((sorted(graphed.decode.graphs), sorted(graphed.mixed.graphs)))
     assert seen == [
         True, False, ([1], [128]),
         True, False, ([1, 2, 4, 8], [128]),

@@ -8,7 +8,7 @@ import torch
 
 from trtc.artifact import Artifact
 from trtc.contract import SequenceWork, make_step
-from trtc.runtime.executors.cuda_executor import MixedStepInputs
+from trtc.runtime.executors.step_buffers import MixedStepInputs
 from trtc.runtime.executors.torch_executor import TorchExecutor
 
 PROMPTS = [list(range(5, 45)), list(range(100, 117)), list(range(3, 9))]
