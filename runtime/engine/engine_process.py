@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import signal
@@ -87,6 +88,16 @@ def _to_wire(out: RequestOutput) -> WireOutput:
     )  # fmt: skip
 
 
+# The engine process's first line: this process's import path, so that it imports the trtc
+# this process imported. (``python -c`` puts the working directory first on the path: from a
+# source checkout's root, with trtc installed as a regular package, the child would import the
+# checkout's ``trtc/``, which holds the core alone.)
+CHILD_CODE = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+    "from trtc.runtime.engine.engine_process import main; main()"
+)
+
+
 class EngineProcess:
     """The engine in a child process, with what the server asks of an engine: its name,
     limits, tokenizer, stats and start-up phases, and `start`/`submit`/`stop` for the async
@@ -103,9 +114,9 @@ class EngineProcess:
         if before is not None:
             self.startup.record("server start", before, "up to starting the engine process")
         ours, theirs = socket.socketpair()
-        code = "from trtc.runtime.engine.engine_process import main; main()"
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+            [sys.executable, "-c", CHILD_CODE, str(theirs.fileno()), json.dumps(sys.path)],
+            pass_fds=(theirs.fileno(),),
         )
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -269,7 +280,8 @@ class _ServerGone(Exception):
 
 
 def main() -> None:
-    """The engine process: ``python -c '...main()' FD`` with FD its end of the socket pair."""
+    """The engine process: ``python -c CHILD_CODE FD PATH`` with FD its end of the socket
+    pair and PATH the server's import path (JSON)."""
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)  # a subprocess of the engine must not hold the server's link
     conn = Connection(fd)

@@ -208,7 +208,6 @@ class CudaExecutor(TorchExecutor):
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def capture_graphs(self, mixed: bool = True) -> None:
         """Capture (again) a decode graph per batch size and, with ``mixed``, a prefill /
         mixed-step graph per token bucket, with the kernels' launch settings as they are now

@@ -140,16 +140,28 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path, log_path: Path, *args: str, startup_timeout: float = 180):
+    def __init__(
+        self,
+        artifact: Path,
+        log_path: Path,
+        *args: str,
+        startup_timeout: float = 180,
+        trtc: list[str] | None = None,
+        cwd: Path | None = None,
+    ):
+        """``trtc``: the command that runs trtc (default: this interpreter's ``-m trtc``);
+        ``cwd``: the server's working directory."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
+        trtc = trtc or [sys.executable, "-m", "trtc"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trtc", "serve", str(artifact), "--port", str(self.port), *args],
+            [*trtc, "serve", str(artifact), "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=cwd,
         )
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:

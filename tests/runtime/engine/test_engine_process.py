@@ -9,9 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
+import httpx
 import pytest
 
+from harness.serving import ServerProcess
 from trtc.runtime.core.sampling_params import SamplingParams
 from trtc.runtime.engine import LLM, EngineConfig
 from trtc.runtime.engine.async_engine import AsyncEngine, EngineFailed
@@ -154,3 +158,52 @@ def test_a_dead_engine_process_ends_every_stream(tiny_artifacts):
         assert outs[-1].finished and outs[-1].finish_reason == "abort"
         assert sum(len(o.new_token_ids) for o in outs) < 400  # cut short
     assert "killed by SIGKILL" in async_engine.error
+
+
+def regular_install(root: Path, venv: Path) -> Path:
+    """trtc installed as a regular package (not editable) into a new virtual environment that
+    borrows this one's dependencies through a path (whose ``.pth`` files, this checkout's
+    editable hook among them, are not run there); its ``trtc`` command."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        + ["--no-compile", str(root)],
+        check=True,
+        timeout=600,
+    )
+    return venv / "bin" / "trtc"
+
+
+def test_serve_from_a_source_checkout_against_a_regular_install(tiny_artifacts, tmp_path):
+    """Run from the repository's root, a regular install's `trtc serve` starts its engine
+    process on the trtc the server imported, not on the checkout's ``trtc/`` (which the
+    working directory would put first on a child's path: it holds the core alone)."""
+    root = Path(__file__).resolve().parents[3]
+    trtc = regular_install(root, tmp_path / "venv")
+    check = "import trtc.runtime, sys; print(trtc.runtime.__file__)"
+    installed = subprocess.run(
+        [trtc.parent / "python", "-c", check], capture_output=True, text=True, cwd=tmp_path
+    ).stdout
+    assert installed.startswith(str(tmp_path / "venv")), installed
+    server = ServerProcess(
+        tiny_artifacts["tiny-llama"], tmp_path / "serve.log", trtc=[str(trtc)], cwd=root
+    )
+    try:
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "tiny-llama", "prompt": "one two three", "max_tokens": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        # uvicorn re-raises the signal after its graceful shutdown: the status may say SIGTERM.
+        assert server.stop() in (0, -signal.SIGTERM), server.log()
