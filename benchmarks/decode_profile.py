@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trtc.artifact import Artifact
+from trtc.artifact import Artifact, Manifest
 from trtc.contract import SequenceWork, StepInputs, make_step
 from trtc.plugins.kernels import gemv, pdl
 from trtc.runtime.executors.cuda_executor import CudaExecutor
@@ -72,6 +72,21 @@ def decode_step(
         ids = [1 + t % 1000 for t in range(chunk)]
         work.append(SequenceWork(ids, chunk_context, list(range(first, first + chunk_blocks))))
     return make_step(work, bs)
+
+
+def step_weight_bytes(manifest: Manifest) -> int:
+    """Weight bytes a decode step reads: every weight once, except the embedding table (only its
+    rows), unless the LM head is that table, and the rotary tables."""
+    wb = manifest.graph.weight_bytes
+    tied = manifest.model.tie_word_embeddings
+    return wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
+
+
+def floor_bytes(manifest: Manifest, batch: int, context: int) -> int:
+    """What a decode step of ``batch`` sequences of ``context`` cached tokens must read: its
+    weights and every sequence's K/V with the new token's; over the copy bandwidth, the
+    bandwidth floor of the step."""
+    return step_weight_bytes(manifest) + batch * (context + 1) * manifest.kv_cache.bytes_per_token
 
 
 def decode_graph(executor: CudaExecutor, batch: int, step: StepInputs) -> torch.cuda.CUDAGraph:
@@ -200,12 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     manifest = ex.manifest
     bw = copy_bandwidth(COPY_GIB)
-    # A decode step reads every weight once, except the embedding table (only its rows), unless
-    # the LM head is that table.
+    weight_bytes = step_weight_bytes(manifest)
     wb = manifest.graph.weight_bytes
-    tied = manifest.model.tie_word_embeddings
-    weight_bytes = wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
-    kv_per_token = manifest.kv_cache.bytes_per_token
     print(
         f"{manifest.name}: copy bandwidth {bw / 1e12:.2f} TB/s, weights read per step "
         f"{weight_bytes / 1e9:.2f} GB, fusions {ex.fusions or 'none'}"
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.ab:
         report["ab"] = ab_graph_times(ex, batches, args.context)
     for batch, step, graph_ms, step_ms, chunk, chunk_ms in timed:
-        floor_ms = (weight_bytes + batch * (args.context + 1) * kv_per_token) / bw * 1e3
+        floor_ms = floor_bytes(manifest, batch, args.context) / bw * 1e3
         rows, kernel_us = kernel_table(ex, step)
         launches = sum(c for _, c, _ in rows)
         print(
