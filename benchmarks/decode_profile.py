@@ -75,6 +75,21 @@ def decode_step(
     return make_step(work, bs)
 
 
+def step_weight_bytes(manifest: Manifest) -> int:
+    """Weight bytes a decode step reads: every weight once, except the embedding table (only its
+    rows), unless the LM head is that table, and the rotary tables."""
+    wb = manifest.graph.weight_bytes
+    tied = manifest.model.tie_word_embeddings
+    return wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
+
+
+def floor_bytes(manifest: Manifest, batch: int, context: int) -> int:
+    """What a decode step of ``batch`` sequences of ``context`` cached tokens must read: its
+    weights and every sequence's K/V with the new token's; over the copy bandwidth, the
+    bandwidth floor of the step."""
+    return step_weight_bytes(manifest) + batch * (context + 1) * manifest.kv_cache.bytes_per_token
+
+
 def decode_graph(executor: CudaExecutor, batch: int, step: StepInputs) -> torch.cuda.CUDAGraph:
     """The captured decode graph that ``step``, of ``batch`` sequences, replays (the smallest
     size that holds it), with ``step`` loaded into its inputs."""
@@ -220,14 +235,6 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(report, f, indent=2)
 
 
-def step_weight_bytes(manifest: Manifest) -> int:
-    """The weight bytes a decode step reads: every weight once, except the embedding table
-    (only its rows), unless the LM head is that table."""
-    wb = manifest.graph.weight_bytes
-    tied = manifest.model.tie_word_embeddings
-    return wb["total"] - (0 if tied else wb.get("embedding", 0)) - wb.get("rope_tables", 0)
-
-
 def weights_report(ex: CudaExecutor, bw: float) -> dict:
     """Print the copy bandwidth ``bw``, the weight bytes a decode step reads and those the
     executor holds on the device; returns the report so far."""
@@ -282,8 +289,7 @@ def profile_batch(
     """Print and return a batch's report: its ``timing`` against the bandwidth floor (``bw``),
     the kernels of its step (eager) and, as asked, its replay timeline and chunk step."""
     batch, graph_ms, step_ms = timing.batch, timing.graph_ms, timing.step_ms
-    kv_bytes = batch * (args.context + 1) * ex.manifest.kv_cache.bytes_per_token
-    floor_ms = (step_weight_bytes(ex.manifest) + kv_bytes) / bw * 1e3
+    floor_ms = floor_bytes(ex.manifest, batch, args.context) / bw * 1e3
     rows, kernel_us = kernel_table(ex, timing.step)
     launches = sum(c for _, c, _ in rows)
     print(

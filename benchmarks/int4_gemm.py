@@ -266,7 +266,10 @@ def time_variant(
     return row
 
 
-def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alternatives=True):
+def weight_sets(n: int, k: int):
+    """The packed weight sets of one shape (as many as `ROTATION_BYTES` needs, at least four),
+    the first one dequantized (fp32, the reference) and fp16 weights of the shape for torch's
+    matmul, the first being that reference."""
     packed = n * k // 2
     sets = [random_layer(n, k, seed) for seed in range(max(4, math.ceil(ROTATION_BYTES / packed)))]
     w_ref = dequantize(*sets[0], GROUP)  # fp32 [N, K]
@@ -274,95 +277,129 @@ def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alt
         torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02
         for _ in range(max(2, math.ceil(ROTATION_BYTES / (2 * n * k))) - 1)
     ]
+    return sets, w_ref, dense
+
+
+def time_fp16(rows, base: dict, x, dense, bw: float) -> float:
+    """torch's fp16 matmul of the shape (the row), its microseconds a call."""
+    n, k, tokens = base["n"], base["k"], base["tokens"]
+    fp16_us = per_call_us([partial(F.linear, x, w) for w in dense])
+    rows.append(
+        {
+            **base,
+            "variant": "torch fp16 matmul",
+            "us": fp16_us,
+            "tflops": 2 * tokens * n * k / (fp16_us * 1e-6) / 1e12,
+            "fraction_of_copy_bw": 2 * n * k / (fp16_us * 1e-6) / bw,
+        }
+    )
+    return fp16_us
+
+
+def time_plugin_plans(record, x, sets, want, fp16_us, bw, sms, split_alternatives):
+    """The plugin-layout kernels' plans (decode or prefill variants); the default plan's calls,
+    when it was timed."""
+    n, k, tokens = record[3]["n"], record[3]["k"], record[3]["tokens"]
     kw = dict(group_size=GROUP, in_features=k, out_features=n)
+    default_calls = None
+    for plan in (
+        decode_variants(tokens, n, k, sms, split_alternatives)
+        if tokens <= 16
+        else prefill_variants()
+    ):
+        chosen = plan or triton_kernels.default_plan(tokens, n, k, GROUP, sms)
+        calls = [partial(triton_kernels.int4_gemm, x, *s, plan=plan, **kw) for s in sets]
+        # split_plan: the split-K kernel's own plan, the default before the weights-first one.
+        row = time_variant(
+            *record,
+            plan_name(plan),
+            calls[0],
+            calls,
+            want,
+            fp16_us,
+            bw,
+            3,
+            plan=chosen.__dict__,
+            split_plan=chosen == triton_kernels.split_plan(tokens, n, k, GROUP, sms),
+        )
+        if row is not None and plan is None:
+            default_calls = calls
+    return default_calls
+
+
+def time_fragment_plans(record, x, fsets, want, fp16_us, bw) -> None:
+    """The fragment kernel's decode variants, or for prefill what the executor runs on the
+    fragment layout (dequantize + cuBLAS)."""
+    n, k, tokens = record[3]["n"], record[3]["k"], record[3]["tokens"]
+    decode = tokens <= 16
+    for plan in fragment_variants(tokens, n, k) if decode else []:
+        calls = [partial(fragment_kernel.int4_gemm_fragment, x, f, plan=plan) for f in fsets]
+        time_variant(
+            *record,
+            fragment_name(plan),
+            calls[0],
+            calls,
+            want,
+            fp16_us,
+            bw,
+            4,
+            plan=plan.__dict__,
+            fragment=True,
+            chosen=plan == fragment_kernel.fragment_plan(tokens, n, k, GROUP),
+        )
+    if not decode:  # what the executor runs for prefill on the fragment layout
+        calls = [partial(fragment_kernel.fragment_matmul, x, f) for f in fsets]
+        time_variant(
+            *record,
+            "fragment: dequantize + cuBLAS",
+            calls[0],
+            calls,
+            want,
+            fp16_us,
+            bw,
+            4,
+            fragment=True,
+            chosen=True,
+        )
+
+
+def time_default_again(rows, base: dict, default_calls, bw: float) -> None:
+    """The default plan once more, last: the spread between its two times is the noise. And
+    without programmatic dependent launch (trtc.plugins.kernels.pdl): what the overlap of one
+    call's start with the previous call's tail is worth."""
+    packed = base["n"] * base["k"] // 2
+    rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
+    was = pdl.set_enabled(False)
+    us = per_call_us(default_calls)
+    pdl.set_enabled(was)
+    rows.append(
+        {
+            **base,
+            "variant": "default, no PDL",
+            "us": us,
+            "fraction_of_copy_bw": packed / (us * 1e-6) / bw,
+        }
+    )
+
+
+def bench_shape(n, k, sms, bw, deadline, rows, failures, token_counts, split_alternatives=True):
+    sets, w_ref, dense = weight_sets(n, k)
     fsets = None  # the weight sets in the fragment layout, when timed
     for tokens in token_counts:
-        decode = tokens <= 16
         x = torch.randn(tokens, k, device=DEVICE, dtype=torch.float16)
         want = x.float() @ w_ref.T
         base = {"n": n, "k": k, "tokens": tokens}
-        default_calls = None
-        fp16_us = per_call_us([partial(F.linear, x, w) for w in dense])
-        rows.append(
-            {
-                **base,
-                "variant": "torch fp16 matmul",
-                "us": fp16_us,
-                "tflops": 2 * tokens * n * k / (fp16_us * 1e-6) / 1e12,
-                "fraction_of_copy_bw": 2 * n * k / (fp16_us * 1e-6) / bw,
-            }
-        )
+        fp16_us = time_fp16(rows, base, x, dense, bw)
         record = (rows, failures, deadline, base)
-        for plan in (
-            decode_variants(tokens, n, k, sms, split_alternatives) if decode else prefill_variants()
-        ):
-            chosen = plan or triton_kernels.default_plan(tokens, n, k, GROUP, sms)
-            calls = [partial(triton_kernels.int4_gemm, x, *s, plan=plan, **kw) for s in sets]
-            # split_plan: the split-K kernel's own plan, the default before the weights-first one.
-            row = time_variant(
-                *record,
-                plan_name(plan),
-                calls[0],
-                calls,
-                want,
-                fp16_us,
-                bw,
-                3,
-                plan=chosen.__dict__,
-                split_plan=chosen == triton_kernels.split_plan(tokens, n, k, GROUP, sms),
-            )
-            if row is not None and plan is None:
-                default_calls = calls
+        default_calls = time_plugin_plans(
+            record, x, sets, want, fp16_us, bw, sms, split_alternatives
+        )
         if not fragment_kernel.fragment_supports(n, k, GROUP):
             if fsets is None:
                 fsets = [fragment_kernel.fragment_pack(*s, GROUP) for s in sets]
-            for plan in fragment_variants(tokens, n, k) if decode else []:
-                calls = [
-                    partial(fragment_kernel.int4_gemm_fragment, x, f, plan=plan) for f in fsets
-                ]
-                time_variant(
-                    *record,
-                    fragment_name(plan),
-                    calls[0],
-                    calls,
-                    want,
-                    fp16_us,
-                    bw,
-                    4,
-                    plan=plan.__dict__,
-                    fragment=True,
-                    chosen=plan == fragment_kernel.fragment_plan(tokens, n, k, GROUP),
-                )
-            if not decode:  # what the executor runs for prefill on the fragment layout
-                calls = [partial(fragment_kernel.fragment_matmul, x, f) for f in fsets]
-                time_variant(
-                    *record,
-                    "fragment: dequantize + cuBLAS",
-                    calls[0],
-                    calls,
-                    want,
-                    fp16_us,
-                    bw,
-                    4,
-                    fragment=True,
-                    chosen=True,
-                )
-        # The default plan once more, last: the spread between its two times is the noise.
+            time_fragment_plans(record, x, fsets, want, fp16_us, bw)
         if default_calls is not None:
-            rows.append({**base, "variant": "default (again)", "us": per_call_us(default_calls)})
-            # And without programmatic dependent launch (trtc.plugins.kernels.pdl): what the
-            # overlap of one call's start with the previous call's tail is worth.
-            was = pdl.set_enabled(False)
-            us = per_call_us(default_calls)
-            pdl.set_enabled(was)
-            rows.append(
-                {
-                    **base,
-                    "variant": "default, no PDL",
-                    "us": us,
-                    "fraction_of_copy_bw": packed / (us * 1e-6) / bw,
-                }
-            )
+            time_default_again(rows, base, default_calls, bw)
 
 
 def check_bf16(failures) -> list:

@@ -54,66 +54,59 @@ def graph_us(*calls) -> float:
     return per_call_us(calls, warmup=25, rep=100)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def ragged_error(case: list[tuple[int, int]], dtype) -> tuple[int, float]:
+    """A mixed step of ``(cached, new)`` token counts a sequence, through the Triton kernel in
+    ``dtype`` against the fp32 reference on the CPU: the step's tokens and the relative error."""
+    torch.manual_seed(1)
+    H, KV, D, BS = 32, 4, 64, 16
+    n_blocks = sum(-(-(c + n) // BS) for c, n in case) + 4
+    cache = torch.randn(2, n_blocks, BS, KV, D)
+    perm = torch.randperm(n_blocks).tolist()
+    tables, slots, starts, lens = [], [], [0], []
+    for c, n in case:
+        blocks = [perm.pop() for _ in range(-(-(c + n) // BS))]
+        tables.append(blocks)
+        slots += [blocks[p // BS] * BS + p % BS for p in range(c, c + n)]
+        starts.append(starts[-1] + n)
+        lens.append(c + n)
+    width = max(map(len, tables))
+    T = starts[-1]
+    q, k, v = torch.randn(T, H * D), torch.randn(T, KV * D), torch.randn(T, KV * D)
+    step = (
+        torch.tensor(slots),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
     )
-    parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
-    args = parser.parse_args()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    bw = copy_bandwidth()
-    results["copy_bandwidth_TBps"] = bw / 1e12
-    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D**-0.5)
+    qd, kd, vd, cd = (x.to(dtype) for x in (q, k, v, cache))
+    want, _ = reference_attention(
+        qd.float(), kd.float(), vd.float(), cd.float().clone(), *step, **kw
+    )
+    got, got_cache = triton_kernels.paged_attention(
+        qd.cuda(), kd.cuda(), vd.cuda(), cd.cuda(), *(x.cuda() for x in step), **kw
+    )
+    return T, rel_err(got.cpu(), want)
 
-    # Correctness on a ragged mixed step, fp16 and bf16, against the fp32 reference on the CPU.
+
+def check_correctness(results: dict) -> bool:
+    """Correctness on a ragged mixed step, fp16 and bf16, against the fp32 reference on the
+    CPU; False at the first case past the tolerance."""
     for dtype in (torch.float16, torch.bfloat16):
         for case in ([(2047, 1)] * 8 + [(0, 300), (500, 129), (17, 1)], [(100, 1)] * 64):
-            torch.manual_seed(1)
-            H, KV, D, BS = 32, 4, 64, 16
-            n_blocks = sum(-(-(c + n) // BS) for c, n in case) + 4
-            cache = torch.randn(2, n_blocks, BS, KV, D)
-            perm = torch.randperm(n_blocks).tolist()
-            tables, slots, starts, lens = [], [], [0], []
-            for c, n in case:
-                blocks = [perm.pop() for _ in range(-(-(c + n) // BS))]
-                tables.append(blocks)
-                slots += [blocks[p // BS] * BS + p % BS for p in range(c, c + n)]
-                starts.append(starts[-1] + n)
-                lens.append(c + n)
-            width = max(map(len, tables))
-            T = starts[-1]
-            q, k, v = torch.randn(T, H * D), torch.randn(T, KV * D), torch.randn(T, KV * D)
-            step = (
-                torch.tensor(slots),
-                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-                torch.tensor(lens, dtype=torch.int32),
-                torch.tensor(starts, dtype=torch.int32),
-            )
-            kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D**-0.5)
-            qd, kd, vd, cd = (x.to(dtype) for x in (q, k, v, cache))
-            want, _ = reference_attention(
-                qd.float(), kd.float(), vd.float(), cd.float().clone(), *step, **kw
-            )
-            got, got_cache = triton_kernels.paged_attention(
-                qd.cuda(), kd.cuda(), vd.cuda(), cd.cuda(), *(x.cuda() for x in step), **kw
-            )
-            err = rel_err(got.cpu(), want)
+            T, err = ragged_error(case, dtype)
             results.setdefault("correctness", []).append(
                 {"dtype": str(dtype), "tokens": T, "rel_err": err}
             )
             print(f"correctness {dtype} T={T}: rel err {err:.2e}")
             if not err < 1e-2:
                 print("FAILED correctness")
-                return 1
+                return False
+    return True
 
-    # Decode bandwidth: batch 64, context 2048, 1.1B geometry (32 query heads, 4 KV heads, D 64).
-    batch, context, H, KV, D, BS = 64, 2048, 32, 4, 64, 16
-    step = make_decode_step(batch, context, H, KV, D, BS, torch.float16)
-    kv_bytes = 2 * batch * (context + 1) * KV * D * 2
-    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D**-0.5)
-    attention = partial(triton_kernels.paged_attention, **kw)
-    rows = []
 
+def time_variants(attention, step, kv_bytes: int, bw: float) -> list[dict]:
+    """The decode launch's tiles, splits, warps, stages and merges, attention only."""
     # Measured 2026-12-02/03 (docs/gpu-kernels.md): tile 32/64/128, 2/4/8 splits, warps 2/4/8,
     # stages 1/2/3, grid order, V loaded early, block ids loaded a tile ahead, and a kernel that
     # reads every KV head of a tile in one program: all 50.5-80 us, none better than the default.
@@ -126,6 +119,7 @@ def main() -> int:
         for splits in (4, 8, 16)
         for warps, stages in ((2, 3), (4, 2))
     ]
+    rows = []
     for v in variants:
         call = partial(
             attention,
@@ -145,10 +139,12 @@ def main() -> int:
         frac = kv_bytes / (us * 1e-6) / bw
         rows.append(dict(v, write_kv=False, us=us, fraction_of_copy_bw=frac))
         print(f"decode (attention only) {v}: {us:7.1f} us  {frac * 100:5.1f}% of copy bandwidth")
-    best = max(rows, key=lambda r: r["fraction_of_copy_bw"])
-    print(f"best: {best}")
-    # The same best variant with the plugin's own cache-write kernel (the unfused graph), and one
-    # FP8-cache run of it.
+    return rows
+
+
+def time_best(attention, step, best: dict, kv_bytes: int, bw: float, results: dict) -> None:
+    """The best variant with the plugin's own cache-write kernel (the unfused graph), and one
+    FP8-cache run of it."""
     opts = dict(
         tile_k=best["tile_k"],
         num_warps=best["warps"],
@@ -166,24 +162,12 @@ def main() -> int:
     fp8_fraction = kv_bytes / 2 / (us * 1e-6) / bw
     results["decode_fp8_cache"] = {"us": us, "fraction_of_copy_bw": fp8_fraction}
     print(f"best on an FP8 cache (half the bytes): {us:.1f} us, {fp8_fraction * 100:.1f}%")
-    results["decode"] = rows
-    auto = triton_kernels.plan(batch, batch, H, KV, D)
-    us = graph_us(partial(attention, *step, write_kv=False))
-    results["decode_default"] = {
-        "plan": auto,
-        "us": us,
-        "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw,
-    }
-    print(
-        f"decode default plan {auto} (attention only): {us:.1f} us, "
-        f"{kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth"
-    )
-    # Back to back, as a decode step runs them (one launch per layer): 8 layers' caches, the
-    # calls captured in one graph, with and without programmatic dependent launch (the next
-    # launch overlaps the previous one's tail; trtc.plugins.kernels.pdl).
-    layers = [step] + [
-        make_decode_step(batch, context, H, KV, D, BS, torch.float16, seed=s) for s in range(1, 8)
-    ]
+
+
+def time_back_to_back(attention, layers, kv_bytes: int, bw: float, results: dict) -> None:
+    """Back to back, as a decode step runs them (one launch per layer): the layers' caches, the
+    calls captured in one graph, with and without programmatic dependent launch (the next
+    launch overlaps the previous one's tail; trtc.plugins.kernels.pdl)."""
     for on in (True, False):
         was = pdl.set_enabled(on)
         us = graph_us(*(partial(attention, *s, write_kv=False) for s in layers))
@@ -196,8 +180,12 @@ def main() -> int:
             f"decode default plan, {len(layers)} layers back to back, PDL {'on' if on else 'off'}: "
             f"{us:.1f} us a call, {kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth"
         )
-    # Batch 1 (a single request's decode), 8 layers back to back with PDL: the splits merged by
-    # the combine kernel or by the last split, at a short and a long context.
+
+
+def time_batch1(attention, geometry: tuple[int, int, int, int], results: dict) -> None:
+    """Batch 1 (a single request's decode), 8 layers back to back with PDL: the splits merged by
+    the combine kernel or by the last split, at a short and a long context."""
+    H, KV, D, BS = geometry
     results["batch1"] = []
     for ctx in (256, 2048):
         one = [make_decode_step(1, ctx, H, KV, D, BS, torch.float16, seed=s) for s in range(8)]
@@ -220,6 +208,48 @@ def main() -> int:
             print(
                 f"decode batch 1, context {ctx}, {splits} splits, merge {merge}: {us:.2f} us a call"
             )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="write every measurement here (JSON)")
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    bw = copy_bandwidth()
+    results["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    if not check_correctness(results):
+        return 1
+
+    # Decode bandwidth: batch 64, context 2048, 1.1B geometry (32 query heads, 4 KV heads, D 64).
+    batch, context, H, KV, D, BS = 64, 2048, 32, 4, 64, 16
+    step = make_decode_step(batch, context, H, KV, D, BS, torch.float16)
+    kv_bytes = 2 * batch * (context + 1) * KV * D * 2
+    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D**-0.5)
+    attention = partial(triton_kernels.paged_attention, **kw)
+    rows = time_variants(attention, step, kv_bytes, bw)
+    best = max(rows, key=lambda r: r["fraction_of_copy_bw"])
+    print(f"best: {best}")
+    time_best(attention, step, best, kv_bytes, bw, results)
+    results["decode"] = rows
+    auto = triton_kernels.plan(batch, batch, H, KV, D)
+    us = graph_us(partial(attention, *step, write_kv=False))
+    results["decode_default"] = {
+        "plan": auto,
+        "us": us,
+        "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw,
+    }
+    print(
+        f"decode default plan {auto} (attention only): {us:.1f} us, "
+        f"{kv_bytes / (us * 1e-6) / bw * 100:.1f}% of copy bandwidth"
+    )
+    layers = [step] + [
+        make_decode_step(batch, context, H, KV, D, BS, torch.float16, seed=s) for s in range(1, 8)
+    ]
+    time_back_to_back(attention, layers, kv_bytes, bw, results)
+    time_batch1(attention, (H, KV, D, BS), results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

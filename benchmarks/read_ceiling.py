@@ -142,6 +142,129 @@ def tma_calls(sets, out, rows: int, warps: int, use_pdl: bool):
     ]
 
 
+def weight_sets(nbytes: int) -> list[torch.Tensor]:
+    """Random int32 weights of ``nbytes`` each, as many sets as `ROTATION_BYTES` needs (at least
+    four), so that no launch of a chain finds its weight in L2."""
+    count = max(4, math.ceil(ROTATION_BYTES / nbytes))
+    return [
+        torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), device="cuda", dtype=torch.int32)
+        for _ in range(count)
+    ]
+
+
+def check_reads_every_word(sets, out) -> None:
+    """Correctness first: the kernel must really read every word (its XOR per chunk)."""
+    _read_only[(sets[0].numel() // CHUNKS[0],)](
+        sets[0],
+        sets[0],
+        out,
+        CHUNK=CHUNKS[0],
+        num_warps=4,
+        PDL=False,
+        EVICT_FIRST=False,
+        PREFETCH_NEXT=False,
+        PIECES=128,
+    )
+    want = xor_of_chunks(sets[0], CHUNKS[0])
+    assert torch.equal(out[: want.numel()], want), "read-only kernel XOR mismatch"
+
+
+def variants(sets, out, dsts) -> list[tuple[str, list]]:
+    """``(name, calls)`` of every variant timed on one size: chunks x warps with and without
+    PDL, evict-first, the L2 prefetch of the next launch's weight, TMA, and the copy."""
+    found = [
+        (
+            f"read {chunk * 4 // 1024} KB/program w{warps}" + (" pdl" if p else ""),
+            read_calls(sets, out, chunk, warps, p),
+        )
+        for chunk in CHUNKS
+        for warps in WARPS
+        for p in (True, False)
+    ]
+    found += [
+        (
+            f"read {chunk * 4 // 1024} KB/program w{warps} pdl evict-first",
+            read_calls(sets, out, chunk, warps, True, True),
+        )
+        for chunk in CHUNKS[1:3]
+        for warps in WARPS
+    ]
+    found += [
+        (
+            f"read {chunk * 4 // 1024} KB/program w{warps} pdl, L2 prefetch of the next",
+            read_calls(sets, out, chunk, warps, True, prefetch_next=True),
+        )
+        for chunk in CHUNKS
+        for warps in WARPS
+    ]
+    found += [
+        (f"tma {rows} x 1 KB/program w{warps} pdl", tma_calls(sets, out, rows, warps, True))
+        for rows in (8, 16, 32)
+        for warps in (1, 4)
+    ]
+    found.append(
+        (
+            "copy_ (reads + writes)",
+            [lambda s=s, d=dsts[i % 2]: d.copy_(s) for i, s in enumerate(sets)],
+        )
+    )
+    return found
+
+
+def time_variants(name: str, nbytes: int, timed: list[tuple[str, list]], bw: float) -> list:
+    """Each variant's time a call and its share of the copy bandwidth, printed as it comes;
+    a variant Triton cannot compile here is named and left out."""
+    rows = []
+    for variant, calls in timed:
+        try:
+            us = per_call_us(calls)
+        except Exception as e:  # a variant Triton cannot compile here
+            print(f"{name:20s} {variant}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        frac = nbytes / (us * 1e-6) / bw
+        rows.append(
+            {
+                "size": name,
+                "bytes": nbytes,
+                "variant": variant,
+                "us": us,
+                "fraction_of_copy_bw": frac,
+            }
+        )
+        print(
+            f"{name:20s} {nbytes / 1e6:6.1f} MB  {variant:28s} {us:8.2f} us  "
+            f"{100 * frac:5.1f}% of copy bw (bytes read)",
+            flush=True,
+        )
+    return rows
+
+
+def print_best(name: str, nbytes: int, rows: list, bw: float) -> None:
+    """The fastest read-only variant of one size, against the transfer alone."""
+    best = min(
+        (r for r in rows if r["size"] == name and r["variant"].startswith("read")),
+        key=lambda r: r["us"],
+    )
+    print(
+        f"{name:20s} best: {best['variant']} {best['us']:.2f} us = "
+        f"{100 * best['fraction_of_copy_bw']:.1f}%; "
+        f"the transfer alone {nbytes / bw * 1e6:.2f} us"
+    )
+
+
+def measure_size(name: str, nbytes: int, bw: float) -> list:
+    """Every variant on weights of ``nbytes``, checked first; the memory given back after."""
+    sets = weight_sets(nbytes)
+    out = torch.empty(nbytes // 4 // min(CHUNKS), device="cuda", dtype=torch.int32)
+    check_reads_every_word(sets, out)
+    dsts = [torch.empty_like(s) for s in sets[:2]]
+    rows = time_variants(name, nbytes, variants(sets, out, dsts), bw)
+    print_best(name, nbytes, rows, bw)
+    del sets, dsts
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,95 +275,7 @@ def main() -> int:
     print(f"device copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     rows = []
     for name, nbytes in SIZES.items():
-        count = max(4, math.ceil(ROTATION_BYTES / nbytes))
-        sets = [
-            torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), device="cuda", dtype=torch.int32)
-            for _ in range(count)
-        ]
-        out = torch.empty(nbytes // 4 // min(CHUNKS), device="cuda", dtype=torch.int32)
-        # Correctness first: the kernel must really read every word.
-        _read_only[(sets[0].numel() // CHUNKS[0],)](
-            sets[0],
-            sets[0],
-            out,
-            CHUNK=CHUNKS[0],
-            num_warps=4,
-            PDL=False,
-            EVICT_FIRST=False,
-            PREFETCH_NEXT=False,
-            PIECES=128,
-        )
-        want = xor_of_chunks(sets[0], CHUNKS[0])
-        assert torch.equal(out[: want.numel()], want), "read-only kernel XOR mismatch"
-        variants = [
-            (
-                f"read {chunk * 4 // 1024} KB/program w{warps}" + (" pdl" if p else ""),
-                read_calls(sets, out, chunk, warps, p),
-            )
-            for chunk in CHUNKS
-            for warps in WARPS
-            for p in (True, False)
-        ]
-        variants += [
-            (
-                f"read {chunk * 4 // 1024} KB/program w{warps} pdl evict-first",
-                read_calls(sets, out, chunk, warps, True, True),
-            )
-            for chunk in CHUNKS[1:3]
-            for warps in WARPS
-        ]
-        variants += [
-            (
-                f"read {chunk * 4 // 1024} KB/program w{warps} pdl, L2 prefetch of the next",
-                read_calls(sets, out, chunk, warps, True, prefetch_next=True),
-            )
-            for chunk in CHUNKS
-            for warps in WARPS
-        ]
-        variants += [
-            (f"tma {rows} x 1 KB/program w{warps} pdl", tma_calls(sets, out, rows, warps, True))
-            for rows in (8, 16, 32)
-            for warps in (1, 4)
-        ]
-        dsts = [torch.empty_like(s) for s in sets[:2]]
-        variants.append(
-            (
-                "copy_ (reads + writes)",
-                [lambda s=s, d=dsts[i % 2]: d.copy_(s) for i, s in enumerate(sets)],
-            )
-        )
-        for variant, calls in variants:
-            try:
-                us = per_call_us(calls)
-            except Exception as e:  # a variant Triton cannot compile here
-                print(f"{name:20s} {variant}: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            frac = nbytes / (us * 1e-6) / bw
-            rows.append(
-                {
-                    "size": name,
-                    "bytes": nbytes,
-                    "variant": variant,
-                    "us": us,
-                    "fraction_of_copy_bw": frac,
-                }
-            )
-            print(
-                f"{name:20s} {nbytes / 1e6:6.1f} MB  {variant:28s} {us:8.2f} us  "
-                f"{100 * frac:5.1f}% of copy bw (bytes read)",
-                flush=True,
-            )
-        best = min(
-            (r for r in rows if r["size"] == name and r["variant"].startswith("read")),
-            key=lambda r: r["us"],
-        )
-        print(
-            f"{name:20s} best: {best['variant']} {best['us']:.2f} us = "
-            f"{100 * best['fraction_of_copy_bw']:.1f}%; "
-            f"the transfer alone {nbytes / bw * 1e6:.2f} us"
-        )
-        del sets, dsts
-        torch.cuda.empty_cache()
+        rows += measure_size(name, nbytes, bw)
     if args.out:
         Path(args.out).write_text(
             json.dumps(

@@ -165,7 +165,7 @@ def mixed(args) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("artifact")
     ap.add_argument("--speculative", required=True, help="ngram | draft:DIR | oracle")
@@ -183,78 +183,90 @@ def main() -> None:
     ap.add_argument(
         "--force-accept", action="store_true", help="oracle only: accept every draft (see above)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.force_accept and args.speculative != "oracle":
+        ap.error("--force-accept goes with --speculative oracle")
+    if args.mixed and args.speculative == "oracle":
+        ap.error("--mixed runs ngram or draft:DIR")
+    return args
+
+
+def force_accept() -> None:
+    """Verification accepts every oracle draft (``--force-accept``, see above)."""
+    import trtc.runtime.speculative.verify as verify_module
+
+    verify_module.verify = lambda logits, proposal, params, generator=None: [
+        *proposal.tokens,
+        int(logits[len(proposal)].argmax()),
+    ]
+
+
+def make_engine(args, speculative: str | None, max_batch: int) -> LLMEngine:
+    """An engine of ``max_batch`` sequences, speculating with ``speculative`` (the oracle is
+    installed on it afterwards, by the caller)."""
+    config = EngineConfig(
+        executor=args.executor,
+        max_num_seqs=max(max_batch, 1),
+        speculative=None if speculative == "oracle" else speculative,
+        speculative_tokens=args.tokens,
+        speculative_max_batch=max_batch,
+    )
+    return LLMEngine(args.artifact, config)
+
+
+def compare(args, n: int) -> dict:
+    """``n`` identical requests without speculation, then with it, each engine warmed up by the
+    same requests first; the row of the comparison, printed."""
+    plain = make_engine(args, None, n)
+    if args.prompt_tokens:
+        prompt = list(range(100, 100 + args.prompt_tokens))
+    else:
+        prompt = plain.apply_chat_template([{"role": "user", "content": PROMPT}])
+    prompts = [prompt] * n
+    # Warm-up: the same requests once, so every kernel is compiled and every graph captured
+    # (multi-token graphs are captured on first use) before the timed run.
+    run(plain, prompts, args.max_tokens)
+    base = run(plain, prompts, args.max_tokens)
+    release(plain)
+    del plain
+    spec = make_engine(args, args.speculative, n)
+    if args.speculative == "oracle":
+        spec.proposer = OracleProposer({tuple(prompt): base["outputs"][0]})
+    run(spec, prompts, args.max_tokens)
+    fast = run(spec, prompts, args.max_tokens)
+    identical = fast["outputs"] == base["outputs"]
+    row = {
+        "concurrency": n,
+        "speculative": args.speculative,
+        "k": args.tokens,
+        "identical": identical,
+        "base": {k: v for k, v in base.items() if k != "outputs"},
+        "spec": {k: v for k, v in fast.items() if k != "outputs"},
+        "tpot_ratio": fast["tpot_ms"] / base["tpot_ms"],
+        "throughput_ratio": fast["output_tokens_per_s"] / base["output_tokens_per_s"],
+    }
+    print(
+        f"concurrency {n}: {args.speculative} K={args.tokens}: "
+        f"{fast['output_tokens_per_s']:.1f} vs {base['output_tokens_per_s']:.1f} output tok/s "
+        f"({row['throughput_ratio']:.2f}x), TPOT {fast['tpot_ms']:.2f} vs "
+        f"{base['tpot_ms']:.2f} ms ({row['tpot_ratio']:.2f}x), tokens per verifying step "
+        f"{fast['mean_accepted_length'] or 0:.2f}, steps {fast['steps']} vs {base['steps']}, "
+        f"outputs identical: {identical}",
+        flush=True,
+    )
+    release(spec)
+    del spec
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.force_accept:
-        if args.speculative != "oracle":
-            ap.error("--force-accept goes with --speculative oracle")
-        import trtc.runtime.speculative.verify as verify_module
-
-        verify_module.verify = lambda logits, proposal, params, generator=None: [
-            *proposal.tokens,
-            int(logits[len(proposal)].argmax()),
-        ]
-
+        force_accept()
     if args.mixed:
-        if args.speculative == "oracle":
-            ap.error("--mixed runs ngram or draft:DIR")
         results = mixed(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-        return
-
-    def engine(speculative: str | None, max_batch: int) -> LLMEngine:
-        config = EngineConfig(
-            executor=args.executor,
-            max_num_seqs=max(max_batch, 1),
-            speculative=None if speculative == "oracle" else speculative,
-            speculative_tokens=args.tokens,
-            speculative_max_batch=max_batch,
-        )
-        return LLMEngine(args.artifact, config)
-
-    results = []
-    for n in [int(c) for c in args.concurrency.split(",")]:
-        plain = engine(None, n)
-        if args.prompt_tokens:
-            prompt = list(range(100, 100 + args.prompt_tokens))
-        else:
-            prompt = plain.apply_chat_template([{"role": "user", "content": PROMPT}])
-        prompts = [prompt] * n
-        # Warm-up: the same requests once, so every kernel is compiled and every graph captured
-        # (multi-token graphs are captured on first use) before the timed run.
-        run(plain, prompts, args.max_tokens)
-        base = run(plain, prompts, args.max_tokens)
-        release(plain)
-        del plain
-        spec = engine(args.speculative, n)
-        if args.speculative == "oracle":
-            spec.proposer = OracleProposer({tuple(prompt): base["outputs"][0]})
-        run(spec, prompts, args.max_tokens)
-        fast = run(spec, prompts, args.max_tokens)
-        identical = fast["outputs"] == base["outputs"]
-        row = {
-            "concurrency": n,
-            "speculative": args.speculative,
-            "k": args.tokens,
-            "identical": identical,
-            "base": {k: v for k, v in base.items() if k != "outputs"},
-            "spec": {k: v for k, v in fast.items() if k != "outputs"},
-            "tpot_ratio": fast["tpot_ms"] / base["tpot_ms"],
-            "throughput_ratio": fast["output_tokens_per_s"] / base["output_tokens_per_s"],
-        }
-        results.append(row)
-        print(
-            f"concurrency {n}: {args.speculative} K={args.tokens}: "
-            f"{fast['output_tokens_per_s']:.1f} vs {base['output_tokens_per_s']:.1f} output tok/s "
-            f"({row['throughput_ratio']:.2f}x), TPOT {fast['tpot_ms']:.2f} vs "
-            f"{base['tpot_ms']:.2f} ms ({row['tpot_ratio']:.2f}x), tokens per verifying step "
-            f"{fast['mean_accepted_length'] or 0:.2f}, steps {fast['steps']} vs {base['steps']}, "
-            f"outputs identical: {identical}",
-            flush=True,
-        )
-        release(spec)
-        del spec
+    else:
+        results = [compare(args, int(c)) for c in args.concurrency.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -53,6 +53,63 @@ def disk_read_rate(path: str) -> float:
     return size / (time.perf_counter() - start) / 1e9
 
 
+def launch_server(
+    artifact: str, port: int, log_path: str, env: dict | None = None, args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """`trtc serve ARTIFACT --port PORT [args]` in a process of its own, its output (both
+    streams) in ``log_path``; ``env`` on top of this process's environment."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trtc", "serve", artifact, "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+
+def wait_healthy(
+    proc: subprocess.Popen,
+    client: httpx.Client,
+    start: float,
+    log_path: str,
+    timeout: float = STARTUP_TIMEOUT_S,
+) -> float:
+    """Poll ``/health`` every 20 ms until it answers 200: the seconds since ``start``
+    (``time.perf_counter``). An error if the server exits first or is not healthy ``timeout``
+    seconds after ``start``."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        if time.perf_counter() - start > timeout:
+            raise RuntimeError(f"not healthy after {timeout} s; see {log_path}")
+        try:
+            if client.get("/health", timeout=1).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (running requests finish), then SIGKILL if it has not exited within a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def startup_phases(client: httpx.Client) -> dict[str, float]:
+    """The server's start-up phases, seconds each (``trtc_startup_seconds`` on /metrics)."""
+    phases = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("trtc_startup_seconds{"):
+            name = line.split('phase="', 1)[1].split('"', 1)[0]
+            phases[name] = float(line.rsplit(" ", 1)[1])
+    return phases
+
+
 def serve_once(artifact: str, env: dict, log_path: str) -> dict:
     port = free_port()
     # One client, made before the clock starts and kept alive: what a load balancer or a
@@ -60,26 +117,9 @@ def serve_once(artifact: str, env: dict, log_path: str) -> dict:
     # which is the client's time, not the server's.
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trtc", "serve", artifact, "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-        )
+    proc = launch_server(artifact, port, log_path, env)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-            if time.perf_counter() - start > STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S} s; see {log_path}")
-            try:
-                if client.get("/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-        healthy = time.perf_counter() - start
+        healthy = wait_healthy(proc, client, start, log_path)
         model = client.get("/v1/models").json()["data"][0]["id"]
         t = time.perf_counter()
         r = client.post("/v1/completions", json={**FIRST, "model": model})
@@ -89,21 +129,15 @@ def serve_once(artifact: str, env: dict, log_path: str) -> dict:
         r = client.post("/v1/completions", json={**FIRST, "model": model, "prompt": "hello again"})
         second = time.perf_counter() - t
         assert r.status_code == 200, r.text
-        phases = {}
-        for line in client.get("/metrics").text.splitlines():
-            if line.startswith("trtc_startup_seconds{"):
-                name = line.split('phase="', 1)[1].split('"', 1)[0]
-                phases[name] = float(line.rsplit(" ", 1)[1])
         return {
             "healthy_s": healthy,
             "first_request_s": first,
             "second_request_s": second,
-            "phases": phases,
+            "phases": startup_phases(client),
         }
     finally:
         client.close()
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc)
 
 
 def main() -> None:

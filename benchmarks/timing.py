@@ -21,10 +21,10 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     """Bytes read + written per second by a device-to-device copy of ``gib`` GiB (fp32 ``copy_``).
 
     Method: the median of ``triton.testing.do_bench`` (50 ms of warm-up, then 200 ms of
-    repetitions, each timed with CUDA events), as the kernels' figures in BENCHMARKS.md and
-    docs/gpu-kernels.md were measured (4 GiB). A copy this large is far past L2, so the figure
-    is DRAM bandwidth; a script that shares the GPU's memory with a loaded model may pass a
-    smaller ``gib``."""
+    repetitions, each timed with CUDA events), as the kernels' figures in
+    docs/benchmarks-journal.md and docs/gpu-kernels.md were measured (4 GiB). A copy this large
+    is far past L2, so the figure is DRAM bandwidth; a script that shares the GPU's memory with
+    a loaded model may pass a smaller ``gib``."""
     import triton.testing
 
     src = torch.randn(int(gib * 2**30) // 4, device="cuda")

@@ -88,6 +88,7 @@ class WarpEmulator:
         return [self.regs[f"${i}"].copy() for i in range(len(outs))]
 
     def _step(self, line: str) -> None:
+        """One instruction: its predicate, then the family that knows its opcode."""
         pred = np.ones(LANES, dtype=bool)
         m = re.match(r"@(!?)(\w+)\s+(.*)", line)
         if m:
@@ -95,21 +96,33 @@ class WarpEmulator:
             line = m.group(3)
         op, _, rest = line.rstrip(";").partition(" ")
         args = _split_operands(rest)
-        base = op.split(".")[0]
-        if base in ("griddepcontrol", "createpolicy"):
+        if op.split(".")[0] in ("griddepcontrol", "createpolicy"):
             return  # ordering and cache hints only
+        for family in (self._move, self._integer, self._bitwise, self._float, self._memory):
+            if family(op, args, pred):
+                return
+        raise NotImplementedError(f"the emulator does not know {op!r}")
+
+    def _move(self, op: str, args: list[str], pred: np.ndarray) -> bool:
+        """``mov``: into a register, or a 32-bit value split into two 16-bit ones."""
         if op == "mov.b32" and args[0].startswith("{"):
             lo, hi = (s.strip() for s in args[0][1:-1].split(","))
             v = self._value(args[1])
             self._set(lo, v & 0xFFFF, pred)
             self._set(hi, v >> 16, pred)
-        elif base == "mov":
+        elif op.split(".")[0] == "mov":
             dtype = _TYPES["." + op.split(".")[-1]]
             value, reg = self._value(args[1], dtype), self.regs[args[0]]
             if value.dtype != reg.dtype and value.dtype.itemsize == reg.dtype.itemsize:
                 value = value.view(reg.dtype)  # the bits, not the number
             self._set(args[0], value, pred)
-        elif op == "setp.gt.s32":
+        else:
+            return False
+        return True
+
+    def _integer(self, op: str, args: list[str], pred: np.ndarray) -> bool:
+        """Comparisons, predicates, 64-bit addresses and selects."""
+        if op == "setp.gt.s32":
             self._set(
                 args[0],
                 self._value(args[1]).astype(np.int64).astype(np.int32) > int(args[2], 0),
@@ -134,7 +147,13 @@ class WarpEmulator:
                 ),
                 pred,
             )
-        elif op == "shr.b32":
+        else:
+            return False
+        return True
+
+    def _bitwise(self, op: str, args: list[str], pred: np.ndarray) -> bool:
+        """Shifts, ``and``, byte permutes and three-input logic on 32-bit registers."""
+        if op == "shr.b32":
             self._set(args[0], self._value(args[1]) >> np.uint32(int(args[2], 0)), pred)
         elif op == "shl.b32":
             self._set(args[0], self._value(args[1]) << np.uint32(int(args[2], 0)), pred)
@@ -155,7 +174,13 @@ class WarpEmulator:
                 ),
                 pred,
             )
-        elif op in ("add.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
+        else:
+            return False
+        return True
+
+    def _float(self, op: str, args: list[str], pred: np.ndarray) -> bool:
+        """Half-pair and fp32 arithmetic, the fp16 -> fp32 conversion and ``mma.sync``."""
+        if op in ("add.f16x2", "fma.rn.f16x2", "fma.rn.bf16x2"):
             bf16 = "bf16" in op
             vals = [_halves(self._value(a), bf16) for a in args[1:]]
             exact = vals[0] + vals[1] if op == "add.f16x2" else vals[0] * vals[1] + vals[2]
@@ -172,12 +197,6 @@ class WarpEmulator:
         elif op == "fma.rn.f32":
             a, b, c = (_as_f32(self._value(x)).astype(np.float64) for x in args[1:])
             self._set(args[0], (a * b + c).astype(np.float32), pred)
-        elif base == "ld":
-            nbytes = {"v4": 16, "v2": 8}.get(op.split(".")[-2], 4)
-            data = self._load(self._address(args[1]), nbytes, pred).view(np.uint32)
-            names = args[0][1:-1].split(",") if args[0].startswith("{") else [args[0]]
-            for j, name in enumerate(names):
-                self._set(name.strip(), data[:, j], pred)
         elif op in (
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
@@ -186,7 +205,19 @@ class WarpEmulator:
                 raise ValueError("mma.sync under a per-lane predicate")
             self._mma(*(a[1:-1].split(",") for a in args), bf16="bf16" in op)
         else:
-            raise NotImplementedError(f"the emulator does not know {op!r}")
+            return False
+        return True
+
+    def _memory(self, op: str, args: list[str], pred: np.ndarray) -> bool:
+        """``ld``: one, two or four 32-bit words a lane from global memory."""
+        if op.split(".")[0] != "ld":
+            return False
+        nbytes = {"v4": 16, "v2": 8}.get(op.split(".")[-2], 4)
+        data = self._load(self._address(args[1]), nbytes, pred).view(np.uint32)
+        names = args[0][1:-1].split(",") if args[0].startswith("{") else [args[0]]
+        for j, name in enumerate(names):
+            self._set(name.strip(), data[:, j], pred)
+        return True
 
     def _mma(self, d, a, b, c, bf16=False) -> None:
         """D = A @ B + C for the warp: lane 4g + t holds A rows g, g + 8 at columns 2t, 2t + 1
