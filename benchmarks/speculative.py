@@ -108,7 +108,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
 def release(engine: LLMEngine) -> None:
     """Give an engine's GPU memory back before the next one sizes its KV pool."""
     engine.close()
-    engine.executor = engine.proposer = None
+    engine.executor = engine.runner = engine.speculation.proposer = None  # what holds the GPU
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -231,7 +231,7 @@ def compare(args, n: int) -> dict:
     del plain
     spec = make_engine(args, args.speculative, n)
     if args.speculative == "oracle":
-        spec.proposer = OracleProposer({tuple(prompt): base["outputs"][0]})
+        spec.speculation.proposer = OracleProposer({tuple(prompt): base["outputs"][0]})
     run(spec, prompts, args.max_tokens)
     fast = run(spec, prompts, args.max_tokens)
     identical = fast["outputs"] == base["outputs"]
