@@ -151,7 +151,8 @@ def quantize_source(
     *,
     num_samples: int = 128,
     seq_len: int = 512,
-    calibration_path: str | None = None,
+    calibration_path: str | Path | None = None,
+    calibration_name: str | None = None,
     act_order: bool = True,
     partial_groups: bool = False,
     kv_cache_scales: bool = False,
@@ -167,7 +168,8 @@ def quantize_source(
     ``method``: ``rtn`` (no calibration), ``awq``, ``gptq`` (INT4, ``group_size`` 32/64/128,
     which must divide every Linear's in_features unless ``partial_groups`` lets the last group
     of a row be shorter), ``fp8``, or ``none`` (nothing quantized: the KV-cache scales alone).
-    Calibration text: the file at ``calibration_path`` or the built-in text (see
+    Calibration text: the file at ``calibration_path`` (which the manifest's record and messages
+    call ``calibration_name``, default the path as given) or the built-in text (see
     `calibration`), cut into ``num_samples`` windows of ``seq_len`` tokens; ``batch_size``
     windows run through a layer at once. ``act_order`` (GPTQ, static groups: the packed layout
     stays plain) and ``fp8_error_feedback`` (FP8 weights rounded with GPTQ's error feedback) are
@@ -194,6 +196,7 @@ def quantize_source(
         num_samples=num_samples,
         seq_len=seq_len,
         calibration_path=calibration_path,
+        calibration_name=calibration_name,
         act_order=act_order,
         partial_groups=partial_groups,
         kv_cache_scales=kv_cache_scales,
@@ -243,6 +246,7 @@ def quantize_model(
         num_samples=num_samples,
         seq_len=seq_len,
         calibration_path=calibration_path,
+        calibration_name=None,
         act_order=act_order,
         partial_groups=partial_groups,
         kv_cache_scales=False,
@@ -298,7 +302,8 @@ def _quantize(
     *,
     num_samples: int,
     seq_len: int,
-    calibration_path: str | None,
+    calibration_path: str | Path | None,
+    calibration_name: str | None,
     act_order: bool,
     partial_groups: bool,
     kv_cache_scales: bool,
@@ -319,7 +324,7 @@ def _quantize(
             rtn.check_group_size(name, k, group_size, partial_groups)
     start = time.perf_counter()
     calib = (
-        calibration_data(tokenizer, calibration_path, num_samples, seq_len)
+        calibration_data(tokenizer, calibration_path, num_samples, seq_len, calibration_name)
         if method in CALIBRATED or kv_cache_scales
         else None
     )
