@@ -234,7 +234,8 @@ def _quantize(cfg: BuildConfig, loaded: LoadedSource, staging: Path, progress: P
             q.group_size,
             num_samples=q.calibration.num_samples,
             seq_len=q.calibration.seq_len,
-            calibration_path=q.calibration.path,
+            calibration_path=q.calibration.text_file,
+            calibration_name=q.calibration.path,
             act_order=q.act_order,
             partial_groups=q.partial_groups,
             kv_cache_scales=kv_fp8,
@@ -286,12 +287,168 @@ def _check_and_load(cfg: BuildConfig, progress: Progress) -> LoadedSource:
     return loaded
 
 
+def _export(
+    cfg: BuildConfig,
+    loaded: LoadedSource,
+    g_rank,
+    seq_len: int,
+    quantized,
+    kv_scales: dict | None,
+    progress: Progress,
+) -> tuple[torch.nn.Module, onnx.ModelProto]:
+    """The export stage: the step skeleton (one rank's shapes, no weights) and its ONNX
+    graph."""
+    ranks = cfg.parallel.tensor
+    with progress.stage("export", "exporting the step graph to ONNX (torch dynamo)") as done:
+        skeleton = step_skeleton(
+            loaded.config,
+            g_rank,
+            seq_len,
+            contract.TORCH_DTYPES[cfg.precision],
+            quantized,
+            None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])),
+            world_size=ranks,
+        )
+        exported = export_onnx(skeleton, cfg.kv_dtype, cfg.kv_cache.block_size)
+        done["detail"] = f"{len(exported.graph.node)} nodes" + (
+            f", one graph for each of {ranks} ranks" if ranks > 1 else ""
+        )
+    return skeleton, exported
+
+
+def _write_rank(
+    cfg: BuildConfig,
+    loaded: LoadedSource,
+    skeleton: torch.nn.Module,
+    exported: onnx.ModelProto,
+    quantized,
+    g_rank,
+    rank: int,
+    staging: Path,
+    progress: Progress,
+) -> tuple[onnx.ModelProto, dict, dict[str, str]]:
+    """One rank's graph with its own weights (the rank's slice of each tensor): the passes
+    run on the exported graph and the result written to the rank's directory. Returns the
+    graph (its weights written out, not held), the fusion report and the written files'
+    hashes."""
+    g, ranks = loaded.geometry, cfg.parallel.tensor
+    suffix = f" (rank {rank})" if ranks > 1 else ""
+    shard = None
+    if ranks > 1:
+        shard = partial(
+            tensor_slice,
+            shard=rank_shard(g, ranks, rank),
+            g=g,
+            group_size=cfg.quantization.group_size,
+        )
+    dtype = contract.TORCH_DTYPES[cfg.precision]
+    plan = plan_weights(skeleton, loaded.weights, dtype, quantized, shard)
+    # Each rank's passes run on a copy of the exported graph; the last rank's on the graph
+    # itself, which nothing reads after.
+    graph = exported if rank == ranks - 1 else copy.deepcopy(exported)
+    proto, results, recipes = run_passes(
+        graph,
+        g_rank,
+        cfg.precision,
+        stage=lambda name: progress.stage(f"pass {name}{suffix}", "running"),
+        weights=plan,
+    )
+    del graph, plan
+    report = fusion_report(results, g.num_layers)
+    problems = check_report(report, g.num_layers)
+    if problems:
+        raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
+    directory = (staging / rank_file(MODEL_FILE, rank, ranks)).parent
+    directory.mkdir(exist_ok=True)
+    with progress.stage(f"write{suffix}", "converting and writing the weights") as done:
+        digests = writer.save_onnx(proto, directory, recipes, log=progress.update)
+        del recipes
+        mb = graph_record(proto)["weight_bytes"]["total"] / 1e6
+        done["detail"] = f"{mb:.1f} MB of weights"
+    return proto, report, {rank_file(n, rank, ranks): d for n, d in digests.items()}
+
+
+def _manifest(
+    cfg: BuildConfig,
+    loaded: LoadedSource,
+    created: str,
+    seq_len: int,
+    g_rank,
+    quantized,
+    kv_scales: dict | None,
+    proto: onnx.ModelProto,
+    report: dict,
+) -> Manifest:
+    """The artifact's manifest, all but its engines, files and build duration and memory."""
+    g, ranks = loaded.geometry, cfg.parallel.tensor
+    return Manifest(
+        format_version=2 if ranks > 1 else 1,
+        trtc_version=trtc.__version__,
+        name=cfg.artifact_name,
+        created=created,
+        source=loaded.source,
+        model=g,
+        precision=cfg.precision,
+        limits={
+            "max_num_tokens": cfg.limits.max_num_tokens,
+            "max_num_seqs": cfg.limits.max_num_seqs,
+            "max_seq_len": seq_len,
+        },
+        kv_cache=kv_cache_record(cfg, g_rank, kv_scales),
+        quantization=quantized.record() if quantized else {"method": "none"},
+        io=contract.io_manifest(
+            g.num_layers,
+            g_rank.num_kv_heads,
+            g.head_dim,
+            cfg.kv_cache.block_size,
+            cfg.kv_dtype,
+            g.vocab_size,
+        ),
+        plugins=plugin_records(proto),
+        fusions=report,
+        graph=graph_record(proto, ranks),
+        parallel=layout_record(g, ranks),
+        tokenizer={
+            "dir": "tokenizer",
+            "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+            "eos_token_id": loaded.tokenizer.eos_token_id,
+            "bos_token_id": loaded.tokenizer.bos_token_id,
+        },
+        build={
+            "config": cfg.model_dump(mode="json"),
+            "versions": {
+                "torch": torch.__version__,
+                "onnx": onnx.__version__,
+                "python": platform.python_version(),
+            },
+        },
+    )
+
+
+def _build_engines(
+    cfg: BuildConfig, manifest: Manifest, staging: Path, progress: Progress
+) -> list[dict]:
+    """The engines of the backend the config names (none for backend none)."""
+    if cfg.backend.name == "tensorrt-rtx":
+        # The graph and its weights read back from what was written (the written `proto`
+        # holds none): TensorRT-RTX builds with the weights in memory.
+        written = onnx.load(str(staging / MODEL_FILE))
+        return build_rtx(written, manifest, cfg, staging, progress)
+    if cfg.backend.name == "tensorrt":
+        from trtc.compiler.backends.tensorrt_full import build_tensorrt
+
+        return build_tensorrt(staging, manifest, cfg, progress, cfg.backend.hardware_compatibility)
+    return []
+
+
 def build(
     cfg: BuildConfig,
     output: str | None = None,
     force: bool = False,
     progress: Progress | None = None,
 ) -> Path:
+    """Build the artifact ``cfg`` describes into ``output`` (default: the config's), which
+    appears only once the whole build has succeeded; returns its directory."""
     progress = progress or Progress()
     check_buildable(cfg)
     out_dir = cfg.output_dir(output)
@@ -300,115 +457,25 @@ def build(
     with writer.staging_dir(out_dir, force, log=progress.log) as staging:
         progress.log(f"building {cfg.artifact_name} ({cfg.precision}) -> {out_dir}")
         loaded = _check_and_load(cfg, progress)
-        g = loaded.geometry
-        seq_len = max_seq_len(cfg, g)
+        seq_len = max_seq_len(cfg, loaded.geometry)
         ranks = cfg.parallel.tensor
-        dtype = contract.TORCH_DTYPES[cfg.precision]
         quantized, kv_scales = _quantize(cfg, loaded, staging, progress)
-        g_rank = rank_geometry(g, ranks)
-        with progress.stage("export", "exporting the step graph to ONNX (torch dynamo)") as done:
-            skeleton = step_skeleton(
-                loaded.config,
-                g_rank,
-                seq_len,
-                dtype,
-                quantized,
-                None if kv_scales is None else list(zip(kv_scales["k"], kv_scales["v"])),
-                world_size=ranks,
-            )
-            exported = export_onnx(skeleton, cfg.kv_dtype, cfg.kv_cache.block_size)
-            done["detail"] = f"{len(exported.graph.node)} nodes" + (
-                f", one graph for each of {ranks} ranks" if ranks > 1 else ""
-            )
-        # Each rank: the same graph, its own weights (the rank's slice of each tensor).
+        g_rank = rank_geometry(loaded.geometry, ranks)
+        skeleton, exported = _export(cfg, loaded, g_rank, seq_len, quantized, kv_scales, progress)
+        # Each rank: the same graph, its own weights.
         hashes: dict[str, str] = {}
         for rank in range(ranks):
-            suffix = f" (rank {rank})" if ranks > 1 else ""
-            shard = None
-            if ranks > 1:
-                shard = partial(
-                    tensor_slice,
-                    shard=rank_shard(g, ranks, rank),
-                    g=g,
-                    group_size=cfg.quantization.group_size,
-                )
-            plan = plan_weights(skeleton, loaded.weights, dtype, quantized, shard)
-            proto, results, recipes = run_passes(
-                exported if rank == ranks - 1 else copy.deepcopy(exported),
-                g_rank,
-                cfg.precision,
-                stage=lambda name, suffix=suffix: progress.stage(f"pass {name}{suffix}", "running"),
-                weights=plan,
+            proto, report, digests = _write_rank(
+                cfg, loaded, skeleton, exported, quantized, g_rank, rank, staging, progress
             )
-            del plan
-            report = fusion_report(results, g.num_layers)
-            problems = check_report(report, g.num_layers)
-            if problems:
-                raise BuildError("fusion incomplete: " + "; ".join(problems[:4]))
-            directory = (staging / rank_file(MODEL_FILE, rank, ranks)).parent
-            directory.mkdir(exist_ok=True)
-            with progress.stage(f"write{suffix}", "converting and writing the weights") as done:
-                digests = writer.save_onnx(proto, directory, recipes, log=progress.update)
-                hashes.update({rank_file(n, rank, ranks): d for n, d in digests.items()})
-                del recipes
-                mb = graph_record(proto)["weight_bytes"]["total"] / 1e6
-                done["detail"] = f"{mb:.1f} MB of weights"
+            hashes.update(digests)
         del skeleton, exported
         shutil.rmtree(staging / QUANTIZE_SPILL, ignore_errors=True)
         loaded.tokenizer.save_pretrained(str(staging / "tokenizer"))
-        manifest = Manifest(
-            format_version=2 if ranks > 1 else 1,
-            trtc_version=trtc.__version__,
-            name=cfg.artifact_name,
-            created=created,
-            source=loaded.source,
-            model=g,
-            precision=cfg.precision,
-            limits={
-                "max_num_tokens": cfg.limits.max_num_tokens,
-                "max_num_seqs": cfg.limits.max_num_seqs,
-                "max_seq_len": seq_len,
-            },
-            kv_cache=kv_cache_record(cfg, g_rank, kv_scales),
-            quantization=quantized.record() if quantized else {"method": "none"},
-            io=contract.io_manifest(
-                g.num_layers,
-                g_rank.num_kv_heads,
-                g.head_dim,
-                cfg.kv_cache.block_size,
-                cfg.kv_dtype,
-                g.vocab_size,
-            ),
-            plugins=plugin_records(proto),
-            fusions=report,
-            graph=graph_record(proto, ranks),
-            parallel=layout_record(g, ranks),
-            tokenizer={
-                "dir": "tokenizer",
-                "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
-                "eos_token_id": loaded.tokenizer.eos_token_id,
-                "bos_token_id": loaded.tokenizer.bos_token_id,
-            },
-            build={
-                "config": cfg.model_dump(mode="json"),
-                "versions": {
-                    "torch": torch.__version__,
-                    "onnx": onnx.__version__,
-                    "python": platform.python_version(),
-                },
-            },
+        manifest = _manifest(
+            cfg, loaded, created, seq_len, g_rank, quantized, kv_scales, proto, report
         )
-        if cfg.backend.name == "tensorrt-rtx":
-            # The graph and its weights read back from what was written (`proto` holds none):
-            # TensorRT-RTX builds with the weights in memory.
-            written = onnx.load(str(staging / MODEL_FILE))
-            manifest.engines = build_rtx(written, manifest, cfg, staging, progress)
-        if cfg.backend.name == "tensorrt":
-            from trtc.compiler.backends.tensorrt_full import build_tensorrt
-
-            manifest.engines = build_tensorrt(
-                staging, manifest, cfg, progress, cfg.backend.hardware_compatibility
-            )
+        manifest.engines = _build_engines(cfg, manifest, staging, progress)
         manifest.files = writer.file_records(staging, hashes)
         manifest.build["duration_s"] = round(time.perf_counter() - started, 1)
         manifest.build["memory"] = progress.memory_record()

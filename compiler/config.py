@@ -1,5 +1,11 @@
 """The build config: a YAML file, validated with errors that name the field, the bad value and
-what is allowed. Unknown keys are errors. Relative paths resolve against the working directory."""
+what is allowed. Unknown keys are errors.
+
+Paths are resolved once, as the config loads: relative ones against the working directory,
+``package://`` ones inside an installed package (`resolve_path`). The fields keep the paths as
+written (the manifest records the config as written, and messages quote it); the build reads
+the absolute paths the sections hold beside them (`ModelSection.checkpoint`,
+`ModelSection.adapter`, `CalibrationSection.text_file`)."""
 
 from __future__ import annotations
 
@@ -8,7 +14,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trtc.compiler.targets import quantization_format
 from trtc.compiler.tiny import TINY_MODELS
@@ -37,6 +51,11 @@ def resolve_path(path: str) -> Path:
     return Path(path).expanduser()
 
 
+def _absolute(path: str) -> Path:
+    """``path`` resolved (`resolve_path`) and made absolute, for a section to hold."""
+    return resolve_path(path).absolute()
+
+
 class ModelSection(Section):
     source: Literal["hf", "gguf", "tiny"] = Field(
         description="hf: a local Hugging Face checkpoint directory; gguf: a .gguf file; "
@@ -50,16 +69,27 @@ class ModelSection(Section):
     name: str | None = Field(None, description=f"tiny model name: {', '.join(TINY_MODELS)}")
     seed: int = Field(0, description="seed of the tiny model's random weights")
     lora: str | None = Field(None, description="PEFT adapter directory merged before quantization")
+    _checkpoint: Path | None = PrivateAttr(None)
+    _adapter: Path | None = PrivateAttr(None)
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """``path``, absolute (None for a tiny model)."""
+        return self._checkpoint
+
+    @property
+    def adapter(self) -> Path | None:
+        """``lora``, absolute (None without an adapter)."""
+        return self._adapter
 
     @model_validator(mode="after")
     def _check_source(self):
-        if (
-            self.lora is not None
-            and not (resolve_path(self.lora) / "adapter_config.json").is_file()
-        ):
-            raise ValueError(
-                f"lora: {self.lora!r} is not a PEFT adapter directory (no adapter_config.json)"
-            )
+        if self.lora is not None:
+            self._adapter = _absolute(self.lora)
+            if not (self._adapter / "adapter_config.json").is_file():
+                raise ValueError(
+                    f"lora: {self.lora!r} is not a PEFT adapter directory (no adapter_config.json)"
+                )
         if self.source == "tiny":
             if self.name not in TINY_MODELS:
                 raise ValueError(
@@ -73,12 +103,12 @@ class ModelSection(Section):
         if self.name is not None:
             raise ValueError("name: only used with source 'tiny' (remove it)")
         try:
-            path = resolve_path(self.path)
+            self._checkpoint = _absolute(self.path)
         except ValueError as e:
             raise ValueError(f"path: {e}") from None
-        if self.source == "gguf" and not path.is_file():
+        if self.source == "gguf" and not self._checkpoint.is_file():
             raise ValueError(f"path: GGUF file {self.path!r} does not exist")
-        if self.source == "hf" and not (path / "config.json").is_file():
+        if self.source == "hf" and not (self._checkpoint / "config.json").is_file():
             raise ValueError(
                 f"path: {self.path!r} is not a Hugging Face checkpoint directory (no config.json)"
             )
@@ -137,12 +167,24 @@ class CalibrationSection(Section):
         "build needs a visible GPU); the quantized tensors come back to the CPU",
     )
 
-    @field_validator("path")
-    @classmethod
-    def _exists(cls, v: str | None) -> str | None:
-        if v is not None and not resolve_path(v).is_file():
-            raise ValueError(f"calibration file {v!r} does not exist")
-        return v
+    _text_file: Path | None = PrivateAttr(None)
+
+    @property
+    def text_file(self) -> Path | None:
+        """``path``, absolute (None for the default text)."""
+        return self._text_file
+
+    @model_validator(mode="after")
+    def _check_path(self):
+        if self.path is None:
+            return self
+        try:
+            self._text_file = _absolute(self.path)
+        except ValueError as e:
+            raise ValueError(f"path: {e}") from None
+        if not self._text_file.is_file():
+            raise ValueError(f"path: calibration file {self.path!r} does not exist")
+        return self
 
 
 class QuantizationSection(Section):

@@ -29,12 +29,22 @@ def inspect_artifact(
     if verify:
         artifact.verify()
     m = artifact.manifest
-    g, kv, graph = m.model, m.kv_cache, m.graph
-
     console.print(
         f"[bold]{m.name}[/]  ({directory})  trtc {m.trtc_version}, "
         f"format v{m.format_version}, built {m.created}"
     )
+    console.print(_overview(m))
+    console.print(_fusions(m))
+    console.print(_plugins(m))
+    _print_tuning(console, m)
+    _print_engines(console, m)
+    return m
+
+
+def _overview(m: Manifest) -> Table:
+    """One row per fact: model, source, precision, limits, KV cache, tensor-parallel layout,
+    weights, graph and build."""
+    g, kv, graph = m.model, m.kv_cache, m.graph
     overview = Table(show_header=False, box=None, pad_edge=False)
     overview.add_row(
         "model",
@@ -60,20 +70,7 @@ def inspect_artifact(
         f"{kv.bytes_per_block:,} bytes/block{per_rank}",
     )
     if m.parallel.tensor > 1:
-        p = m.parallel
-        overview.add_row(
-            "parallel",
-            f"tensor {p.tensor} (rank{{i}}/model.onnx): column-parallel "
-            f"{', '.join(p.column_parallel)}; row-parallel {', '.join(p.row_parallel)} + "
-            f"AllReduce; replicated {', '.join(p.replicated)}"
-            + ("; KV heads replicated" if p.kv_heads_replicated else ""),
-        )
-        for rank, shard in enumerate(p.ranks):
-            overview.add_row(
-                "",
-                f"rank {rank}: query heads {_span(shard['heads'])}, KV heads "
-                f"{_span(shard['kv_heads'])}, intermediate {_span(shard['intermediate'])}",
-            )
+        _add_parallel_rows(overview, m)
     wb = graph.weight_bytes
     overview.add_row(
         "weights" + per_rank,
@@ -91,8 +88,29 @@ def inspect_artifact(
             f"{build['duration_s']} s"
             + (f", peak resident memory {peak / 1e9:.2f} GB" if peak else ""),
         )
-    console.print(overview)
+    return overview
 
+
+def _add_parallel_rows(overview: Table, m: Manifest) -> None:
+    """How the tensor-parallel ranks split the model, and each rank's share."""
+    p = m.parallel
+    overview.add_row(
+        "parallel",
+        f"tensor {p.tensor} (rank{{i}}/model.onnx): column-parallel "
+        f"{', '.join(p.column_parallel)}; row-parallel {', '.join(p.row_parallel)} + "
+        f"AllReduce; replicated {', '.join(p.replicated)}"
+        + ("; KV heads replicated" if p.kv_heads_replicated else ""),
+    )
+    for rank, shard in enumerate(p.ranks):
+        overview.add_row(
+            "",
+            f"rank {rank}: query heads {_span(shard['heads'])}, KV heads "
+            f"{_span(shard['kv_heads'])}, intermediate {_span(shard['intermediate'])}",
+        )
+
+
+def _fusions(m: Manifest) -> Table:
+    """Each fusion kind: how many the passes made, per layer and after the last layer."""
     fusions = Table(title="fusions", title_justify="left")
     fusions.add_column("kind")
     fusions.add_column("total", justify="right")
@@ -104,8 +122,11 @@ def inspect_artifact(
         fusions.add_row(
             kind, str(total), "/".join(map(str, per)), str(report["final"].get(kind, ""))
         )
-    console.print(fusions)
+    return fusions
 
+
+def _plugins(m: Manifest) -> Table:
+    """The custom ops the graph uses: version, node count, outputs written in place."""
     plugins = Table(title="plugins", title_justify="left")
     for col in ("op", "version", "nodes", "in-place outputs"):
         plugins.add_column(col)
@@ -116,17 +137,18 @@ def inspect_artifact(
             str(p["num_nodes"]),
             ", ".join(f"{o}->{i}" for o, i in p["aliases"].items()),
         )
-    console.print(plugins)
-    _print_tuning(console, m)
+    return plugins
 
-    engines = m.engines
-    if not engines:
+
+def _print_engines(console: Console, m: Manifest) -> None:
+    """The engines the artifact holds, and whether this host runs each."""
+    if not m.engines:
         console.print("engines: none (ONNX artifact only)")
-        return m
+        return
     table = Table(title="engines", title_justify="left")
     for col in ("target", "backend", "KV layout", "size", "sha256", "I/O", "runs on this host"):
         table.add_column(col)
-    for e in engines:
+    for e in m.engines:
         ins, outs = e.io["inputs"], e.io["outputs"]
         caches = sum(1 for t in ins if "cache" in t["name"] and t["name"] != "cache_positions")
         shown = [f"{t['name']} {t['shape']} {t['dtype']}" for t in ins if "cache." not in t["name"]]
@@ -141,7 +163,6 @@ def inspect_artifact(
             host_can_run(e),
         )
     console.print(table)
-    return m
 
 
 def _print_tuning(console, m) -> None:

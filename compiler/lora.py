@@ -31,11 +31,11 @@ def _expected(config) -> dict[str, tuple[int, int]]:
     }
 
 
-def _weights_file(adapter: Path) -> Path:
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if (adapter / name).is_file():
-            return adapter / name
-    raise ConfigError(f"model.lora: {adapter} has no adapter_model.safetensors (or .bin)")
+def _weights_file(adapter: Path, name: str) -> Path:
+    for file in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (adapter / file).is_file():
+            return adapter / file
+    raise ConfigError(f"model.lora: {name} has no adapter_model.safetensors (or .bin)")
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -52,11 +52,12 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def check_adapter(adapter: Path, config) -> dict:
-    """Validate an adapter against the base model's config; returns the manifest record."""
+def check_adapter(adapter: Path, config, name: str) -> dict:
+    """Validate the adapter directory ``adapter`` against the base model's config; returns the
+    manifest record. Messages call the adapter ``name``, its path as the config wrote it."""
     meta = json.loads((adapter / "adapter_config.json").read_text())
     expected = _expected(config)
-    weights = _weights_file(adapter)
+    weights = _weights_file(adapter, name)
     base = meta.get("base_model_name_or_path") or "an unnamed base model"
     matched = 0
     for key, shape in _shapes(weights).items():
@@ -66,7 +67,7 @@ def check_adapter(adapter: Path, config) -> dict:
         layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
         if layer >= config.num_hidden_layers or proj not in expected:
             raise ConfigError(
-                f"model.lora: {adapter} adapts {key}, which this model does not have "
+                f"model.lora: {name} adapts {key}, which this model does not have "
                 f"({config.num_hidden_layers} layers); it was trained for {base}"
             )
         fan_in, fan_out = expected[proj]
@@ -74,14 +75,14 @@ def check_adapter(adapter: Path, config) -> dict:
         got = shape[1] if ab == "A" else shape[0]
         if got != want:
             raise ConfigError(
-                f"model.lora: {adapter} does not fit this model: layer {layer} {proj} has "
+                f"model.lora: {name} does not fit this model: layer {layer} {proj} has "
                 f"{'in' if ab == 'A' else 'out'}_features {want}, the adapter's lora_{ab} "
                 f"expects {got}; it was trained for {base}"
             )
         matched += 1
     if not matched:
         raise ConfigError(
-            f"model.lora: {adapter} holds no LoRA weights for q/k/v/o/gate/up/down projections"
+            f"model.lora: {name} holds no LoRA weights for q/k/v/o/gate/up/down projections"
         )
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
     return {

@@ -27,7 +27,7 @@ from trtc.compiler.checkpoint import (
     StateDictSource,
     WeightSource,
 )
-from trtc.compiler.config import BuildConfig, resolve_path
+from trtc.compiler.config import BuildConfig
 from trtc.compiler.families import ModelGeometry, check_supported, geometry_from_config
 from trtc.compiler.tiny import byte_tokenizer, tiny_config, tiny_model
 from trtc.errors import BuildError, ConfigError
@@ -63,7 +63,7 @@ def _hf_location(kind: str, path: Path) -> tuple[str, dict]:
 
 
 def _hf_kwargs(cfg: BuildConfig) -> tuple[str, dict]:
-    return _hf_location(cfg.model.source, resolve_path(cfg.model.path))
+    return _hf_location(cfg.model.source, cfg.model.checkpoint)
 
 
 def load_hf_config(cfg: BuildConfig):
@@ -147,8 +147,8 @@ def _streamable(cfg: BuildConfig) -> bool:
     """An HF directory of safetensors, no adapter to merge: weights stream from disk."""
     if cfg.model.source != "hf" or cfg.model.lora is not None:
         return False
-    path = resolve_path(cfg.model.path)
-    return (path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()
+    checkpoint = cfg.model.checkpoint
+    return (checkpoint / SAFETENSORS_INDEX).is_file() or (checkpoint / SAFETENSORS_SINGLE).is_file()
 
 
 def load_source(cfg: BuildConfig, config) -> LoadedSource:
@@ -165,7 +165,7 @@ def load_source(cfg: BuildConfig, config) -> LoadedSource:
     if cfg.model.lora is not None:  # checked against the config before weights load
         from trtc.compiler.lora import check_adapter
 
-        lora_record = check_adapter(resolve_path(cfg.model.lora), config)
+        lora_record = check_adapter(cfg.model.adapter, config, cfg.model.lora)
     model = None
     if cfg.model.source == "tiny":
         model = tiny_model(cfg.model.name, cfg.model.seed)
@@ -188,7 +188,7 @@ def load_source(cfg: BuildConfig, config) -> LoadedSource:
                 where, dtype=torch.float32, **kwargs
             ).eval()
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        path = resolve_path(cfg.model.path)
+        path = cfg.model.checkpoint
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         source = {
             "kind": cfg.model.source,
@@ -200,10 +200,10 @@ def load_source(cfg: BuildConfig, config) -> LoadedSource:
     if lora_record is not None:
         from trtc.compiler.lora import merge_adapter
 
-        model = merge_adapter(model, resolve_path(cfg.model.lora))
+        model = merge_adapter(model, cfg.model.adapter)
         source["lora"] = lora_record
     if model is None:
-        weights: WeightSource = SafetensorsCheckpoint(resolve_path(cfg.model.path))
+        weights: WeightSource = SafetensorsCheckpoint(cfg.model.checkpoint)
     else:
         weights = StateDictSource(
             {k: v for k, v in model.state_dict().items() if "rotary_emb" not in k}

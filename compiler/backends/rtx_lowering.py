@@ -454,43 +454,11 @@ def lower_for_rtx(model: onnx.ModelProto, manifest: Manifest, max_seq_len: int) 
     tensors = graph.tensors()
     dtype = NUMPY_DTYPES[manifest.precision]
     kv_dtype = NUMPY_DTYPES[c.kv_dtype]
-
     nodes = [n for n in graph.nodes if n.domain == DOMAIN and n.op == PAGED_ATTENTION.op_type]
-    layer_of = {}
-    for n in nodes:
-        name = n.inputs[3].name
-        layer = next((i for i in range(c.num_layers) if name == paged.kv_input_name(i)), None)
-        if layer is None:
-            raise BuildError(
-                f"backend tensorrt-rtx: PagedAttention node {n.name} reads {name}, "
-                f"not a layer's KV cache"
-            )
-        layer_of[id(n)] = layer
-    if sorted(layer_of.values()) != list(range(c.num_layers)):
-        raise BuildError(
-            f"backend tensorrt-rtx: expected one PagedAttention node per layer "
-            f"({c.num_layers}), found layers {sorted(layer_of.values())}"
-        )
+    layer_of = _attention_layers(nodes, c.num_layers)
 
     # New graph inputs; the old token-axis tensors become internal, produced from them.
-    spec = {t.name: t for t in c.inputs()}
-
-    def new_input(name, np_dtype):
-        return gs.Variable(name, dtype=np_dtype, shape=list(spec[name].shape))
-
-    input_ids = new_input("input_ids", np.int64)
-    cache_positions = new_input("cache_positions", np.int32)
-    logits_indices = tensors["logits_indices"]
-    logits_indices.shape = list(spec["logits_indices"].shape)
-    caches = {}
-    for i in range(c.num_layers):
-        caches[i] = (
-            new_input(slot.k_cache_name(i), kv_dtype),
-            new_input(slot.v_cache_name(i), kv_dtype),
-            gs.Variable(slot.k_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
-            gs.Variable(slot.v_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
-        )
-
+    input_ids, cache_positions, logits_indices, caches = _slot_inputs(c, tensors, kv_dtype)
     b = _Builder(graph)
     windows = {int(n.attrs.get("sliding_window", 0)) for n in nodes}
     ids_shape, flat_positions, masks = _step_tensors(
@@ -516,15 +484,63 @@ def lower_for_rtx(model: onnx.ModelProto, manifest: Manifest, max_seq_len: int) 
         n.inputs.clear()
     lower_quantized_gemms(graph, dtype, b)
     graph.nodes = [n for n in graph.nodes if n.inputs or n.outputs]
-
-    logits = tensors["logits"]
-    logits.shape = [slot.BATCH, c.vocab_size]
+    tensors["logits"].shape = [slot.BATCH, c.vocab_size]
     graph.inputs = [input_ids, cache_positions, logits_indices]
+    graph.outputs = [tensors["logits"]]
     for i in range(c.num_layers):
         graph.inputs += caches[i][:2]
-    graph.outputs = [logits]
-    for i in range(c.num_layers):
         graph.outputs += caches[i][2:]
+    return _export_slot_graph(graph, c, max_seq_len)
+
+
+def _attention_layers(nodes: list[gs.Node], num_layers: int) -> dict[int, int]:
+    """The layer of each PagedAttention node (by ``id``), from the KV cache it reads; one node
+    per layer, or an error."""
+    layer_of = {}
+    for n in nodes:
+        name = n.inputs[3].name
+        layer = next((i for i in range(num_layers) if name == paged.kv_input_name(i)), None)
+        if layer is None:
+            raise BuildError(
+                f"backend tensorrt-rtx: PagedAttention node {n.name} reads {name}, "
+                f"not a layer's KV cache"
+            )
+        layer_of[id(n)] = layer
+    if sorted(layer_of.values()) != list(range(num_layers)):
+        raise BuildError(
+            f"backend tensorrt-rtx: expected one PagedAttention node per layer "
+            f"({num_layers}), found layers {sorted(layer_of.values())}"
+        )
+    return layer_of
+
+
+def _slot_inputs(c: slot.SlotContract, tensors: dict, kv_dtype) -> tuple:
+    """The slot contract's inputs ``input_ids`` and ``cache_positions`` (new), and
+    ``logits_indices`` (the paged graph's, reshaped); each layer's ``(k_cache, v_cache,
+    k_cache_out, v_cache_out)``."""
+    spec = {t.name: t for t in c.inputs()}
+
+    def new_input(name, np_dtype):
+        return gs.Variable(name, dtype=np_dtype, shape=list(spec[name].shape))
+
+    input_ids = new_input("input_ids", np.int64)
+    cache_positions = new_input("cache_positions", np.int32)
+    logits_indices = tensors["logits_indices"]
+    logits_indices.shape = list(spec["logits_indices"].shape)
+    caches = {}
+    for i in range(c.num_layers):
+        caches[i] = (
+            new_input(slot.k_cache_name(i), kv_dtype),
+            new_input(slot.v_cache_name(i), kv_dtype),
+            gs.Variable(slot.k_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
+            gs.Variable(slot.v_cache_out_name(i), dtype=kv_dtype, shape=list(c.cache_shape)),
+        )
+    return input_ids, cache_positions, logits_indices, caches
+
+
+def _export_slot_graph(graph: gs.Graph, c: slot.SlotContract, max_seq_len: int):
+    """The lowered graph as an ONNX model, marked with its KV layout and context length, its
+    I/O checked against the slot contract."""
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     lowered = gs.export_onnx(graph)
     lowered.doc_string = f"trtc slot-contract graph for tensorrt-rtx (max_seq_len {max_seq_len})"

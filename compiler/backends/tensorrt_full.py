@@ -217,7 +217,7 @@ def build_tensorrt_engines(
     that level) from the paged graph; one manifest record per target."""
     trt = import_trt()
     check_targets(targets, hardware_compatibility)
-    from trtc.plugins.tensorrt import register_plugins, rules
+    from trtc.plugins.tensorrt import register_plugins
 
     register_plugins(trt)
     gpu_name, _ = local_gpu()
@@ -226,45 +226,29 @@ def build_tensorrt_engines(
     builder = trt.Builder(logger)
     with tempfile.TemporaryDirectory(prefix="trtc-trt-") as tmp:  # kept until the builds end
         network, parser = parse_network(trt, builder, prepare_graph(model), Path(tmp), BACKEND)
-        num_layers = manifest.kv_cache.num_layers
-        aliases = {kv_output_name(i): kv_input_name(i) for i in range(num_layers)}
-        outputs = {network.get_output(i).name for i in range(network.num_outputs)}
-        if missing := sorted(set(aliases) - outputs):
-            raise BuildError(f"backend {BACKEND}: updated caches {missing} are not network outputs")
+        io, aliases = _engine_io(trt, network, manifest)
         shapes = paged_profile(manifest.io.inputs, manifest.limits, manifest.kv_cache.block_size)
-        contract_shapes = {t.name: tuple(t.shape) for t in manifest.io.inputs + manifest.io.outputs}
-        io = network_io(trt, network, contract_shapes)
-        for t in io["inputs"] + io["outputs"]:  # the manifest's dtype names (fp8, not FP8)
-            t["dtype"] = rules.TRT_DTYPE_NAMES.get(t["dtype"], t["dtype"])
         (Path(out_dir) / ENGINE_DIR).mkdir(parents=True, exist_ok=True)
         shared = hardware_compatibility == "ampere_plus"
         records, plan_file = [], None
         for target in targets:
             rel = f"{ENGINE_DIR}/{'ampere_plus' if shared else target}.engine"
             if plan_file is None or not shared:  # one ampere_plus engine serves every target
-                cache_path = timing_cache_path(
-                    target, trt.__version__, hardware_compatibility, cache_dir
-                )
-
-                def configure(config, cache_path=cache_path):
-                    # The KV cache is updated in place (an aliased plugin output).
-                    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-                    # Otherwise NONE, TensorRT's default: the fastest engine, for this GPU's cc.
-                    if shared:
-                        level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
-                        config.hardware_compatibility_level = level
-                    _load_timing_cache(config, cache_path, log)
-
-                log(f"tensorrt {trt.__version__}: building {rel} on {gpu_name} ...")
-                plan, seconds, config = build_plan(
-                    builder, network, shapes, messages, BACKEND, target, configure
-                )
-                _save_timing_cache(config, cache_path, log)
                 plan_file = Path(out_dir) / rel
-                plan_file.write_bytes(plan)
-                del plan
-                size_mb = plan_file.stat().st_size / 1e6
-                log(f"tensorrt: built {rel} in {seconds:.1f}s ({size_mb:.1f} MB)")
+                seconds = _build_engine(
+                    trt,
+                    builder,
+                    network,
+                    shapes,
+                    messages,
+                    target,
+                    plan_file,
+                    rel,
+                    gpu_name,
+                    hardware_compatibility,
+                    cache_dir,
+                    log,
+                )
             else:
                 seconds = 0.0  # the shared engine was built for the first target
             records.append(
@@ -285,6 +269,63 @@ def build_tensorrt_engines(
             )
         del parser, network  # the parser owns the weights until the builds end
     return records
+
+
+def _engine_io(trt, network, manifest: Manifest) -> tuple[dict, dict[str, str]]:
+    """The network's inputs and outputs as the manifest names their dtypes, and the updated
+    caches' aliases (each updated cache checked to be a network output)."""
+    from trtc.plugins.tensorrt import rules
+
+    num_layers = manifest.kv_cache.num_layers
+    aliases = {kv_output_name(i): kv_input_name(i) for i in range(num_layers)}
+    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    if missing := sorted(set(aliases) - outputs):
+        raise BuildError(f"backend {BACKEND}: updated caches {missing} are not network outputs")
+    contract_shapes = {t.name: tuple(t.shape) for t in manifest.io.inputs + manifest.io.outputs}
+    io = network_io(trt, network, contract_shapes)
+    for t in io["inputs"] + io["outputs"]:  # the manifest's dtype names (fp8, not FP8)
+        t["dtype"] = rules.TRT_DTYPE_NAMES.get(t["dtype"], t["dtype"])
+    return io, aliases
+
+
+def _build_engine(
+    trt,
+    builder,
+    network,
+    shapes: dict,
+    messages: list[str],
+    target: str,
+    plan_file: Path,
+    rel: str,
+    gpu_name: str,
+    hardware_compatibility: str,
+    cache_dir: str | Path | None,
+    log: Callable[[str], None],
+) -> float:
+    """Build one engine for ``target`` on the GPU ``gpu_name`` into ``plan_file`` (``rel`` in
+    the artifact), with the target's timing cache read before and saved after; returns the
+    build's seconds."""
+    cache_path = timing_cache_path(target, trt.__version__, hardware_compatibility, cache_dir)
+
+    def configure(config):
+        # The KV cache is updated in place (an aliased plugin output).
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+        # Otherwise NONE, TensorRT's default: the fastest engine, for this GPU's cc.
+        if hardware_compatibility == "ampere_plus":
+            level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
+            config.hardware_compatibility_level = level
+        _load_timing_cache(config, cache_path, log)
+
+    log(f"tensorrt {trt.__version__}: building {rel} on {gpu_name} ...")
+    plan, seconds, config = build_plan(
+        builder, network, shapes, messages, BACKEND, target, configure
+    )
+    _save_timing_cache(config, cache_path, log)
+    plan_file.write_bytes(plan)
+    del plan
+    size_mb = plan_file.stat().st_size / 1e6
+    log(f"tensorrt: built {rel} in {seconds:.1f}s ({size_mb:.1f} MB)")
+    return seconds
 
 
 def build_tensorrt(

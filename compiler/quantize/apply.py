@@ -53,7 +53,7 @@ from trtc.compiler.quantize.quantized_linears import (
     Weights,
     rtn_loader,
 )
-from trtc.compiler.quantize.stack import DecoderStack, calibration_device
+from trtc.compiler.quantize.stack import CalibrationInputs, DecoderStack, calibration_device
 from trtc.plugins.int4_gemm import pack_int4
 
 METHODS = ("rtn", "awq", "gptq", "fp8")
@@ -151,7 +151,8 @@ def quantize_source(
     *,
     num_samples: int = 128,
     seq_len: int = 512,
-    calibration_path: str | None = None,
+    calibration_path: str | Path | None = None,
+    calibration_name: str | None = None,
     act_order: bool = True,
     partial_groups: bool = False,
     kv_cache_scales: bool = False,
@@ -167,7 +168,8 @@ def quantize_source(
     ``method``: ``rtn`` (no calibration), ``awq``, ``gptq`` (INT4, ``group_size`` 32/64/128,
     which must divide every Linear's in_features unless ``partial_groups`` lets the last group
     of a row be shorter), ``fp8``, or ``none`` (nothing quantized: the KV-cache scales alone).
-    Calibration text: the file at ``calibration_path`` or the built-in text (see
+    Calibration text: the file at ``calibration_path`` (which the manifest's record and messages
+    call ``calibration_name``, default the path as given) or the built-in text (see
     `calibration`), cut into ``num_samples`` windows of ``seq_len`` tokens; ``batch_size``
     windows run through a layer at once. ``act_order`` (GPTQ, static groups: the packed layout
     stays plain) and ``fp8_error_feedback`` (FP8 weights rounded with GPTQ's error feedback) are
@@ -194,6 +196,7 @@ def quantize_source(
         num_samples=num_samples,
         seq_len=seq_len,
         calibration_path=calibration_path,
+        calibration_name=calibration_name,
         act_order=act_order,
         partial_groups=partial_groups,
         kv_cache_scales=kv_cache_scales,
@@ -243,6 +246,7 @@ def quantize_model(
         num_samples=num_samples,
         seq_len=seq_len,
         calibration_path=calibration_path,
+        calibration_name=None,
         act_order=act_order,
         partial_groups=partial_groups,
         kv_cache_scales=False,
@@ -298,7 +302,8 @@ def _quantize(
     *,
     num_samples: int,
     seq_len: int,
-    calibration_path: str | None,
+    calibration_path: str | Path | None,
+    calibration_name: str | None,
     act_order: bool,
     partial_groups: bool,
     kv_cache_scales: bool,
@@ -319,7 +324,7 @@ def _quantize(
             rtn.check_group_size(name, k, group_size, partial_groups)
     start = time.perf_counter()
     calib = (
-        calibration_data(tokenizer, calibration_path, num_samples, seq_len)
+        calibration_data(tokenizer, calibration_path, num_samples, seq_len, calibration_name)
         if method in CALIBRATED or kv_cache_scales
         else None
     )
@@ -397,18 +402,9 @@ def run_layers(
     (over the model's heads). ``on_layer(i, layer)`` sees each layer once
     done (AWQ: folded), before it is dropped."""
     n = stack.num_layers
-    head_dim = stack.head_dim
     fp8_feedback = method == "fp8" and fp8_error_feedback
     inputs = stack.calibration_inputs(token_batches, batch_size)
-    # The streams (see the module docstring) share layer 0's inputs until they part.
-    fp = (
-        list(inputs.first)
-        if method in ("awq", "fp8") or (kv_cache_scales and method != "awq")
-        else None
-    )
-    quantized_stream = list(inputs.first) if method == "gptq" or fp8_feedback else None
-    folded = list(inputs.first) if method == "awq" and kv_cache_scales else None
-    inputs.first = []
+    fp, quantized_stream, folded = _streams(inputs, method, kv_cache_scales, fp8_feedback)
     samples, amax = None, dict.fromkeys(LINEARS, 0.0)
     label = method if method in CALIBRATED else "kv scales"
     overrides: dict[str, torch.Tensor] = {}
@@ -417,32 +413,27 @@ def run_layers(
         t0 = time.perf_counter()
         layer = stack.layer(i)
         prefix = f"{LAYERS_PREFIX}.{i}"
-        kv = kv_cache.KVAmax(head_dim) if kv_cache_scales else None
+        kv = kv_cache.KVAmax(stack.head_dim) if kv_cache_scales else None
         if fp is not None:  # the fp layer, before the method changes it
             samples, amax = _fp_pass(
                 layer, inputs.for_layer(i, fp), method, kv if method != "awq" else None
             )
+        quantized = _quantize_layer(
+            layer,
+            method,
+            samples,
+            None if quantized_stream is None else inputs.for_layer(i, quantized_stream),
+            group_size=group_size,
+            act_order=act_order,
+            partial_groups=partial_groups,
+            fp8_feedback=fp8_feedback,
+        )
         if method == "awq":
-            quantized = awq.awq_layer(layer, samples, group_size, partial_groups=partial_groups)
             for name, weight in awq.folded_norms(layer).items():
                 overrides[f"{prefix}.{name}"] = weight.detach().float().cpu().clone()
             if folded is not None:
                 with hooks(kv.hooks(layer)):
                     run_layer(layer, inputs.for_layer(i, folded))
-        elif method == "gptq":
-            quantizer = gptq.int4_quantizer(
-                group_size, act_order=act_order, partial_groups=partial_groups
-            )
-            quantized = gptq.gptq_layer(layer, inputs.for_layer(i, quantized_stream), quantizer)
-        elif fp8_feedback:
-            quantized = gptq.gptq_layer(
-                layer, inputs.for_layer(i, quantized_stream), gptq.fp8_quantizer()
-            )
-        elif method == "fp8":
-            quantized = {p: fp8.quantize_weight_fp8(linear(layer, p).weight) for p in LINEARS}
-        else:
-            quantized = None
-
         if quantized is not None and store is not None:
             store.put(
                 i,
@@ -458,6 +449,51 @@ def run_layers(
         del layer
         say(f"{label}: layer {i + 1}/{n} in {time.perf_counter() - t0:.1f} s")
     return LayerResults(overrides, kv_scales if kv_cache_scales else None)
+
+
+def _streams(
+    inputs: CalibrationInputs, method: str, kv_cache_scales: bool, fp8_feedback: bool
+) -> tuple:
+    """The streams (see the module docstring) that ``method`` and the KV-cache scales read,
+    as ``(fp, quantized, folded)``, each None when nothing reads it. They share layer 0's
+    inputs until they part; ``inputs.first`` lets go of its own reference to them."""
+    fp = (
+        list(inputs.first)
+        if method in ("awq", "fp8") or (kv_cache_scales and method != "awq")
+        else None
+    )
+    quantized = list(inputs.first) if method == "gptq" or fp8_feedback else None
+    folded = list(inputs.first) if method == "awq" and kv_cache_scales else None
+    inputs.first = []
+    return fp, quantized, folded
+
+
+def _quantize_layer(
+    layer: nn.Module,
+    method: str,
+    samples: dict[str, awq.ActivationSample] | None,
+    quantized_inputs: LayerInputs | None,
+    *,
+    group_size: int,
+    act_order: bool,
+    partial_groups: bool,
+    fp8_feedback: bool,
+) -> dict | None:
+    """The layer's Linears quantized with ``method`` (by path), or None for a method that
+    quantizes nothing here. AWQ folds its scales into ``layer`` (from the fp stream's
+    ``samples``); GPTQ and FP8's error feedback calibrate on ``quantized_inputs``."""
+    if method == "awq":
+        return awq.awq_layer(layer, samples, group_size, partial_groups=partial_groups)
+    if method == "gptq":
+        quantizer = gptq.int4_quantizer(
+            group_size, act_order=act_order, partial_groups=partial_groups
+        )
+        return gptq.gptq_layer(layer, quantized_inputs, quantizer)
+    if fp8_feedback:
+        return gptq.gptq_layer(layer, quantized_inputs, gptq.fp8_quantizer())
+    if method == "fp8":
+        return {p: fp8.quantize_weight_fp8(linear(layer, p).weight) for p in LINEARS}
+    return None
 
 
 def _fp_pass(

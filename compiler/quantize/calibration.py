@@ -22,7 +22,7 @@ def text_sha256(text: str) -> str:
 class CalibrationData:
     batches: list[list[int]]  # num_samples token windows of seq_len tokens each
     source: str  # "file" or DEFAULT_SOURCE
-    path: str | None
+    path: str | None  # the file as its caller named it (a build: as the config wrote it)
     text_sha256: str
     num_samples: int
     seq_len: int
@@ -37,14 +37,15 @@ class CalibrationData:
         }
 
 
-def load_text(path: str | None) -> tuple[str, str]:
-    """``(text, source)``: the file's text (UTF-8), or the default text."""
+def load_text(path: str | Path | None, name: str | None) -> tuple[str, str]:
+    """``(text, source)``: the file's text (UTF-8), or the default text. Messages call the file
+    ``name``."""
     if path is None:
         return default_text(), DEFAULT_SOURCE
     p = Path(path)
     if not p.is_file():
         raise ValueError(
-            f"calibration file {path!r} does not exist (quantization.calibration.path; "
+            f"calibration file {name!r} does not exist (quantization.calibration.path; "
             f"leave it unset to calibrate on the built-in {DEFAULT_SOURCE} text)"
         )
     return p.read_text(encoding="utf-8"), "file"
@@ -61,18 +62,21 @@ def window_starts(num_tokens: int, num_samples: int, seq_len: int) -> list[int]:
 
 
 def calibration_data(
-    tokenizer, path: str | None, num_samples: int, seq_len: int
+    tokenizer, path: str | Path | None, num_samples: int, seq_len: int, name: str | None = None
 ) -> CalibrationData:
     """Tokenize the text once (no special tokens) and cut ``num_samples`` windows of
-    ``seq_len`` tokens, spread evenly over it (see `window_starts`)."""
+    ``seq_len`` tokens, spread evenly over it (see `window_starts`). The record and messages
+    call the file ``name`` (default: ``path`` as given)."""
     if num_samples < 1 or seq_len < 1:
         raise ValueError(
             f"calibration wants num_samples >= 1 and seq_len >= 1, got {num_samples} and {seq_len}"
         )
-    text, source = load_text(path)
+    if path is not None:
+        name = name or str(path)
+    text, source = load_text(path, name)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) < seq_len:
-        where = f"calibration file {path!r}" if path else f"the {DEFAULT_SOURCE} text"
+        where = f"calibration file {name!r}" if path else f"the {DEFAULT_SOURCE} text"
         raise ValueError(
             f"{where} has {len(ids)} tokens, fewer than one sample of seq_len "
             f"{seq_len}: give a longer text or a smaller seq_len"
@@ -81,7 +85,7 @@ def calibration_data(
     return CalibrationData(
         [list(ids[s : s + seq_len]) for s in starts],
         source,
-        path,
+        name,
         text_sha256(text),
         num_samples,
         seq_len,
@@ -89,7 +93,7 @@ def calibration_data(
 
 
 def calibration_token_batches(
-    tokenizer, path: str | None, num_samples: int, seq_len: int
+    tokenizer, path: str | Path | None, num_samples: int, seq_len: int
 ) -> list[list[int]]:
     """``num_samples`` lists of ``seq_len`` token ids (see `calibration_data`)."""
     return calibration_data(tokenizer, path, num_samples, seq_len).batches

@@ -66,8 +66,136 @@ def _field_dict(trt, fc) -> dict[str, tuple[str, Any]]:
     return {f.name: (names.get(f.type, str(f.type)), f.data) for f in fc}
 
 
+def _plugin_fields(trt, values) -> list:
+    """``trt.PluginField`` objects of ``(name, data, kind)`` values (`rules.field_values`)."""
+    return [
+        trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
+        for name, data, kind in values
+    ]
+
+
 def _dtype_name(trt_dtype) -> str:
     return rules.TRT_DTYPE_NAMES.get(trt_dtype.name, trt_dtype.name)
+
+
+class _PluginCalls:
+    """A trtc plugin's answers to TensorRT's ``IPluginV3`` core, build and runtime calls, each
+    from `rules` for the `PluginSpec` it implements. `plugin_classes` mixes it with one
+    TensorRT module's interfaces; ``trt`` is that module."""
+
+    trt: Any
+
+    def __init__(self, spec: PluginSpec, attrs: dict, phase=None):
+        trt = self.trt
+        trt.IPluginV3.__init__(self)
+        trt.IPluginV3OneCore.__init__(self)
+        trt.IPluginV3OneBuildV2.__init__(self)
+        trt.IPluginV3OneRuntime.__init__(self)
+        self.spec, self.attrs, self.phase = spec, dict(attrs), phase
+        self.plugin_name = spec.op_type
+        self.plugin_version = str(spec.version)
+        self.plugin_namespace = DOMAIN
+        self.num_outputs = len(spec.outputs)
+        described = ",".join(f"{k}={v}" for k, v in self.attrs.items())
+        self.metadata_string = f"{spec.qualified_name}({described})"
+        self.timing_cache_id = self.metadata_string  # same attributes, same timings
+        self._serialized = None
+
+    # --- core -----------------------------------------------------------------------------
+    def get_capability_interface(self, capability_type):
+        return self
+
+    def clone(self):
+        return type(self)(self.spec, self.attrs, self.phase)
+
+    def destroy(self):
+        pass
+
+    # --- build ----------------------------------------------------------------------------
+    def configure_plugin(self, inp, out):
+        n = len(inp)
+        if not rules.num_required_inputs(self.spec) <= n <= len(self.spec.inputs):
+            raise ValueError(
+                f"{self.spec.qualified_name}: {n} inputs, expected {', '.join(self.spec.inputs)}"
+            )
+
+    def get_output_data_types(self, input_types):
+        return rules.output_dtypes(self.spec, list(input_types))
+
+    def get_output_shapes(self, inputs, shape_inputs, expr_builder):
+        shapes = [[d[i] for i in range(len(d))] for d in inputs]
+        return [
+            self.trt.DimsExprs(s)
+            for s in rules.output_shapes(self.spec, self.attrs, shapes, expr_builder.constant)
+        ]
+
+    def supports_format_combination(self, pos, in_out, num_inputs):
+        if in_out[pos].desc.format != self.trt.TensorFormat.LINEAR:
+            return False
+        dtypes = [_dtype_name(in_out[i].desc.type) for i in range(pos + 1)]
+        return rules.supports(self.spec, pos, num_inputs, dtypes)
+
+    def get_aliased_input(self, output_index):
+        return rules.aliased_input(self.spec, output_index)
+
+    def get_valid_tactics(self):
+        return []
+
+    def get_workspace_size(self, inp, out):
+        return 0
+
+    # --- runtime --------------------------------------------------------------------------
+    def get_fields_to_serialize(self):
+        # The arrays stay referenced by the plugin: the collection only points at them.
+        self._serialized = _plugin_fields(self.trt, rules.field_values(self.spec, self.attrs))
+        return self.trt.PluginFieldCollection(self._serialized)
+
+    def on_shape_change(self, inp, out):
+        pass  # nothing is precomputed per shape: enqueue reads its descriptors
+
+    def set_tactic(self, tactic):
+        pass
+
+    def attach_to_context(self, resource_context):
+        return self.clone()
+
+    def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+        ins = [
+            device_tensor(
+                ptr,
+                tuple(d.dims),
+                rules.TORCH_DTYPES[rules.op_side(self.spec, i, _dtype_name(d.type))],
+            )
+            for i, (d, ptr) in enumerate(zip(input_desc, inputs))
+        ]
+        outs = [
+            device_tensor(ptr, tuple(d.dims), rules.TORCH_DTYPES[_dtype_name(d.type)])
+            for d, ptr in zip(output_desc, outputs)
+        ]
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            run_plugin(self.spec, self.attrs, ins, outs)
+
+
+class _CreatorCalls:
+    """A plugin creator's answers to TensorRT's ``IPluginCreatorV3One`` calls: the fields a
+    `PluginSpec` takes, and a plugin (``plugin_class``) made from them. `plugin_classes` mixes
+    it with one TensorRT module's interface; ``trt`` is that module."""
+
+    trt: Any
+    plugin_class: type
+
+    def __init__(self, spec: PluginSpec):
+        self.trt.IPluginCreatorV3One.__init__(self)
+        self.spec = spec
+        self.name = spec.op_type
+        self.plugin_version = str(spec.version)
+        self.plugin_namespace = DOMAIN
+        self._fields = _plugin_fields(self.trt, rules.field_values(spec))
+        self.field_names = self.trt.PluginFieldCollection(self._fields)
+
+    def create_plugin(self, name, field_collection, phase):
+        fields = _field_dict(self.trt, field_collection)
+        return self.plugin_class(self.spec, rules.parse_fields(self.spec, fields), phase)
 
 
 @cache
@@ -75,119 +203,18 @@ def plugin_classes(trt) -> tuple[type, type]:
     """``(Plugin, Creator)`` for one TensorRT module; both take the `PluginSpec` they implement."""
 
     class Plugin(
-        trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime
+        _PluginCalls,
+        trt.IPluginV3,
+        trt.IPluginV3OneCore,
+        trt.IPluginV3OneBuildV2,
+        trt.IPluginV3OneRuntime,
     ):
-        def __init__(self, spec: PluginSpec, attrs: dict, phase=None):
-            trt.IPluginV3.__init__(self)
-            trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuildV2.__init__(self)
-            trt.IPluginV3OneRuntime.__init__(self)
-            self.spec, self.attrs, self.phase = spec, dict(attrs), phase
-            self.plugin_name = spec.op_type
-            self.plugin_version = str(spec.version)
-            self.plugin_namespace = DOMAIN
-            self.num_outputs = len(spec.outputs)
-            described = ",".join(f"{k}={v}" for k, v in self.attrs.items())
-            self.metadata_string = f"{spec.qualified_name}({described})"
-            self.timing_cache_id = self.metadata_string  # same attributes, same timings
-            self._serialized = None
+        pass
 
-        # --- core -------------------------------------------------------------------------
-        def get_capability_interface(self, capability_type):
-            return self
+    class Creator(_CreatorCalls, trt.IPluginCreatorV3One):
+        plugin_class = Plugin
 
-        def clone(self):
-            return Plugin(self.spec, self.attrs, self.phase)
-
-        def destroy(self):
-            pass
-
-        # --- build ------------------------------------------------------------------------
-        def configure_plugin(self, inp, out):
-            n = len(inp)
-            if not rules.num_required_inputs(self.spec) <= n <= len(self.spec.inputs):
-                raise ValueError(
-                    f"{self.spec.qualified_name}: {n} inputs, expected "
-                    f"{', '.join(self.spec.inputs)}"
-                )
-
-        def get_output_data_types(self, input_types):
-            return rules.output_dtypes(self.spec, list(input_types))
-
-        def get_output_shapes(self, inputs, shape_inputs, expr_builder):
-            shapes = [[d[i] for i in range(len(d))] for d in inputs]
-            return [
-                trt.DimsExprs(s)
-                for s in rules.output_shapes(self.spec, self.attrs, shapes, expr_builder.constant)
-            ]
-
-        def supports_format_combination(self, pos, in_out, num_inputs):
-            if in_out[pos].desc.format != trt.TensorFormat.LINEAR:
-                return False
-            dtypes = [_dtype_name(in_out[i].desc.type) for i in range(pos + 1)]
-            return rules.supports(self.spec, pos, num_inputs, dtypes)
-
-        def get_aliased_input(self, output_index):
-            return rules.aliased_input(self.spec, output_index)
-
-        def get_valid_tactics(self):
-            return []
-
-        def get_workspace_size(self, inp, out):
-            return 0
-
-        # --- runtime ----------------------------------------------------------------------
-        def get_fields_to_serialize(self):
-            # The arrays stay referenced by the plugin: the collection only points at them.
-            self._serialized = [
-                trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
-                for name, data, kind in rules.field_values(self.spec, self.attrs)
-            ]
-            return trt.PluginFieldCollection(self._serialized)
-
-        def on_shape_change(self, inp, out):
-            pass  # nothing is precomputed per shape: enqueue reads its descriptors
-
-        def set_tactic(self, tactic):
-            pass
-
-        def attach_to_context(self, resource_context):
-            return self.clone()
-
-        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            ins = [
-                device_tensor(
-                    ptr,
-                    tuple(d.dims),
-                    rules.TORCH_DTYPES[rules.op_side(self.spec, i, _dtype_name(d.type))],
-                )
-                for i, (d, ptr) in enumerate(zip(input_desc, inputs))
-            ]
-            outs = [
-                device_tensor(ptr, tuple(d.dims), rules.TORCH_DTYPES[_dtype_name(d.type)])
-                for d, ptr in zip(output_desc, outputs)
-            ]
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                run_plugin(self.spec, self.attrs, ins, outs)
-
-    class Creator(trt.IPluginCreatorV3One):
-        def __init__(self, spec: PluginSpec):
-            trt.IPluginCreatorV3One.__init__(self)
-            self.spec = spec
-            self.name = spec.op_type
-            self.plugin_version = str(spec.version)
-            self.plugin_namespace = DOMAIN
-            self._fields = [
-                trt.PluginField(name, data, getattr(trt.PluginFieldType, kind))
-                for name, data, kind in rules.field_values(spec)
-            ]
-            self.field_names = trt.PluginFieldCollection(self._fields)
-
-        def create_plugin(self, name, field_collection, phase):
-            return Plugin(
-                self.spec, rules.parse_fields(self.spec, _field_dict(trt, field_collection)), phase
-            )
-
+    Plugin.trt = Creator.trt = trt
     return Plugin, Creator
 
 
