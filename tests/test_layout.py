@@ -60,3 +60,82 @@ def test_every_package_is_installed():
             parts = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((name, *parts)))
     assert found == set(setup["packages"])
+
+
+RUNTIME_LAYERS = ("engine", "executors", "serving", "speculative", "distributed", "bench")
+
+
+def test_runtime_core_imports_no_other_runtime_layer():
+    """runtime/core (sequence, block manager, scheduler, sampler) is the bottom layer: the
+    engine, executors, proposers and server build on it, never the other way round (imports
+    for type checking included: they are the loops that make a layer hard to read alone)."""
+    forbidden = tuple(f"trtc.runtime.{layer}" for layer in RUNTIME_LAYERS)
+    broken = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "runtime" / "core").rglob("*.py"))
+        for name in imported_modules(path)
+        if name.startswith(forbidden)
+    ]
+    assert broken == []
+
+
+def _probes(path: Path) -> list[str]:
+    """``getattr`` / ``hasattr`` calls of ``path`` on an executor: an expression that names
+    one, or ``self`` inside an executor's module."""
+    is_executor_module = "executor" in path.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+        ):
+            continue
+        target = ast.unparse(node.args[0])
+        if "executor" in target.lower() or (is_executor_module and target == "self"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_probes_an_executor():
+    """Every member a caller uses is declared by `runtime.executors.base.Executor` (with its
+    default): nothing asks an executor whether it has one."""
+    found = [
+        probe
+        for folder in ("trtc", "compiler", "plugins", "runtime", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for probe in _probes(path)
+    ]
+    assert found == []
+
+
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 79, 299
+
+
+def _is_kernel_module(tree: ast.Module) -> bool:
+    """A module of Triton kernels (and their launchers): its functions are the exception to the
+    size rule, their length set by the instructions they schedule."""
+    return any(
+        isinstance(node, ast.FunctionDef)
+        and any(ast.unparse(d).startswith("triton.jit") for d in node.decorator_list)
+        for node in ast.walk(tree)
+    )
+
+
+def test_functions_and_classes_stay_small():
+    """No function of 80 lines or more and no class of 300 or more outside the kernel
+    modules: a reader holds each in their head."""
+    too_long = []
+    for folder in ("trtc", "compiler", "plugins", "runtime", "benchmarks", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            if _is_kernel_module(tree):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    most = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                    if lines > most:
+                        too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert too_long == []
