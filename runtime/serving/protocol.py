@@ -14,7 +14,14 @@ import time
 from dataclasses import replace
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import to_json
 
 from trtc.runtime.core.sampling_params import SamplingParams
@@ -102,11 +109,76 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
 
 # --- requests ------------------------------------------------------------------------------
 
+# What a request may carry beyond the fields trtc implements. Nothing else is taken: a field
+# trtc would ignore changes what the client gets without telling it (JSON asked for, free text
+# returned), so any other field is a 400 naming it.
+# - Bookkeeping that changes nothing trtc returns: taken and ignored.
+IGNORED_REQUEST_FIELDS = frozenset(
+    (
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "parallel_tool_calls",  # says how to call tools, and no tool is taken (below)
+    )
+)
+# - Features trtc does not implement, taken only at the value that asks for nothing (what a
+#   client that sends every default sends).
+NEUTRAL_REQUEST_VALUES: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+# A chat message's: its author's name (the chat templates of the families trtc serves do not
+# read it) and a tool result's call id are ignored; tool calls only when there are none.
+IGNORED_MESSAGE_FIELDS = frozenset(("name", "tool_call_id"))
+NEUTRAL_MESSAGE_VALUES: dict[str, tuple] = {
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "refusal": (None,),
+    "audio": (None,),
+}
+
+
+def refuse_unimplemented(
+    extra: dict | None, ignored: frozenset[str], neutral: dict[str, tuple], where: str = ""
+) -> None:
+    """A 400 for the first field of ``extra`` (what a request carries beyond the fields of its
+    model) that is neither ``ignored`` nor at one of its ``neutral`` values; ``where`` prefixes
+    the parameter's name (``messages``)."""
+    for name, value in (extra or {}).items():
+        if name in ignored or value in neutral.get(name, ()):
+            continue
+        param = f"{where}.{name}" if where else name
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        if name in neutral:
+            allowed = " or ".join("null" if v is None else json.dumps(v) for v in neutral[name])
+            message = (
+                f"'{param}' is not supported by trtc: only {allowed} is accepted (got {shown}); "
+                "remove it from the request"
+            )
+        else:
+            message = f"unknown parameter '{param}' (got {shown}); remove it from the request"
+        raise OpenAIError(400, message, param)
+
 
 class SamplingFields(BaseModel):
     """The fields both endpoints share: the model and how to sample."""
 
-    # OpenAI clients send fields trtc does not use (user, frequency_penalty=0, ...): accept them.
+    # Fields beyond these are collected, then refused unless harmless (`refuse_unimplemented`).
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -129,6 +201,11 @@ class SamplingFields(BaseModel):
     logprobs: bool | int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    @model_validator(mode="after")
+    def _no_unimplemented_fields(self):
+        refuse_unimplemented(self.model_extra, IGNORED_REQUEST_FIELDS, NEUTRAL_REQUEST_VALUES)
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -199,9 +276,16 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # then refused unless harmless, as a request's
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _no_unimplemented_fields(self):
+        refuse_unimplemented(
+            self.model_extra, IGNORED_MESSAGE_FIELDS, NEUTRAL_MESSAGE_VALUES, "messages"
+        )
+        return self
 
     def text(self) -> str:
         """The content as one string; only text parts are taken."""

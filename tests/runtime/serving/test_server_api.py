@@ -138,6 +138,66 @@ def test_bad_request_gets_openai_error_then_server_still_serves(
     assert ok_request(server)["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+CHAT = [{"role": "user", "content": "hi"}]
+# Fields trtc does not implement, at a value that asks for something: refused, never ignored.
+UNIMPLEMENTED = [
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("logit_bias", {"5": 10}),
+    ("min_p", 0.1),
+    ("repetition_penalty", 1.2),
+    ("top_logprobs", 3),
+    ("best_of", 2),
+    ("some_future_field", True),
+]
+
+
+@pytest.mark.parametrize("name,value", UNIMPLEMENTED, ids=[u[0] for u in UNIMPLEMENTED])
+def test_a_field_trtc_does_not_implement_is_a_400_naming_it(server, name, value):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={name: value}
+        )
+    assert e.value.body["param"] == name and name in e.value.body["message"]
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", name: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == name
+
+
+def test_a_message_field_trtc_does_not_implement_is_a_400_naming_it(server):
+    messages = [
+        {"role": "user", "content": "what is 2 + 2?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+    ]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages.tool_calls"
+
+
+def test_bookkeeping_fields_and_neutral_values_are_taken(server):
+    """What a client that sends every default sends: the same tokens as without them."""
+    neutral = {
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "logit_bias": {},
+        "min_p": 0,
+        "repetition_penalty": 1.0,
+        "top_logprobs": None,
+    }
+    base = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    messages = [{"role": "user", "content": "hi", "name": "ann"}]
+    plain = post(server, "/v1/chat/completions", {**base, "messages": CHAT})
+    dressed = post(server, "/v1/chat/completions", {**base, **neutral, "messages": messages})
+    assert plain.status_code == dressed.status_code == 200, dressed.text
+    content = [r.json()["choices"][0]["message"]["content"] for r in (plain, dressed)]
+    assert content[0] == content[1]
+
+
 def test_official_client_raises_typed_errors(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError):
