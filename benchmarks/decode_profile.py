@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"prefill of {args.prefill} tokens: {report['prefill']['ms']:.2f} ms")
     # Every timing before the first profile (torch.profiler): batches timed after one came out
     # 14-18% slower than the same graphs timed in a process that had not profiled
-    # (BENCHMARKS.md, 2026-12-07, 12:10-12:50 UTC).
+    # (docs/benchmarks-journal.md, 2026-12-07, 12:10-12:50 UTC).
     timed = [time_batch(ex, batch, args) for batch in batches]
     if args.ab:
         report["ab"] = ab_graph_times(ex, batches, args.context)

@@ -6,10 +6,11 @@ A step replays a graph of one of three families (`cuda_graphs.py`): decode steps
 batch size, steps of a few tokens a sequence (speculative verification) a graph per (batch,
 tokens) bucket captured on first use, prefill and mixed prefill + decode steps a graph per token
 bucket (`MIXED_TOKEN_BUCKETS`). Run eagerly, a prefill or mixed step waits for its kernels to be
-queued from Python, several times as long as a decode step of as many sequences (BENCHMARKS.md,
-2026-12-06); ``TRTC_MIXED_GRAPHS=0`` (or ``mixed_graphs=False``) runs them eagerly. Which graph
-a step replays, or whether it runs eagerly (longer steps, and steps asking for more logits rows
-than the graphs' sequences), is the dispatcher's (`graph_dispatch.py`).
+queued from Python, several times as long as a decode step of as many sequences
+(docs/benchmarks-journal.md, 2026-12-06); ``TRTC_MIXED_GRAPHS=0`` (or ``mixed_graphs=False``)
+runs them eagerly. Which graph a step replays, or whether it runs eagerly (longer steps, and
+steps asking for more logits rows than the graphs' sequences), is the dispatcher's
+(`graph_dispatch.py`).
 
 The decode and prefill / mixed-step graphs are captured at start; a server's
 (``defer_graphs``, `EngineConfig.defer_graphs`) captures only the one-sequence decode graph and
